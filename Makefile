@@ -1,0 +1,61 @@
+# qevolve — all set-up lives here. A fresh machine needs exactly:
+#   make demo    # install everything, then run the main job on the embedded default
+#   make test    # install everything, then run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+# The virtual environment is cached outside the checkout (torch is several GB)
+# and keyed on the dependency list, so repeated runs and fresh clones reuse it.
+CACHE ?= $(HOME)/.cache/qevolve
+VENV ?= $(CACHE)/venv
+PY := $(VENV)/bin/python
+DEPS_HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.deps-$(DEPS_HASH)
+EXT_SRC := $(shell find rust_core -name '*.rs' -o -name Cargo.toml) Cargo.toml
+EXT_STAMP := qevolve_cli/_core.abi3.so
+export PATH := $(VENV)/bin:$(HOME)/.cargo/bin:$(PATH)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-py test-rust bench lint build clean
+
+setup: $(STAMP) $(EXT_STAMP)
+
+$(STAMP): pyproject.toml
+	@mkdir -p $(CACHE)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Install the dependencies (not the project itself: it is built by maturin below).
+	$(PY) -c "import tomllib,sys; p=tomllib.load(open('pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies']+p['optional-dependencies']['dev']))" > $(CACHE)/requirements.txt
+	$(PY) -m pip install -q -r $(CACHE)/requirements.txt
+	@rm -f $(VENV)/.deps-*
+	@touch $@
+
+$(EXT_STAMP): $(STAMP) $(EXT_SRC)
+	VIRTUAL_ENV=$(VENV) $(PY) -m maturin develop --release -q
+	@touch $@
+
+build: $(EXT_STAMP)
+
+test: setup test-rust test-py
+
+test-rust:
+	cargo test -q -p qevolve_core
+
+test-py: setup
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(VENV)/bin/qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo --resume
+	$(VENV)/bin/qevolve report runs/demo
+
+bench: setup
+	@for b in benchmarks/bench_*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done
+
+lint: setup
+	$(VENV)/bin/ruff check qevolve_cli tests benchmarks
+	cargo clippy -q --all-targets -- -D warnings
+	$(PY) tests/check_stub.py
+
+clean:
+	rm -rf .build target runs

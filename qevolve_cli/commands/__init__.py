@@ -1,0 +1,1 @@
+"""One module per command. Command modules import heavy libraries (torch, transformers) lazily."""

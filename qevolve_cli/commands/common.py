@@ -1,0 +1,85 @@
+"""Shared option types and helpers of the command modules.
+
+Conventions every command follows:
+* wrap the body with :func:`run_command` so QevolveError (and friends) become
+  ``error: <one line>`` on stderr with exit code 2 — never a traceback;
+* progress on stderr (:func:`progress`), results on stdout, ``--json`` prints
+  one JSON object for scripts (:func:`emit_json`);
+* import torch / transformers inside the command, not at module level.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from qevolve_cli.errors import QevolveError
+
+ENVS = ("textcraft", "sciworld", "alfworld", "webshop")
+SPLITS = ("train", "test_seen", "test_unseen", "test")
+
+EnvOpt = Annotated[str, typer.Option("--env", help=f"Environment: {', '.join(ENVS)}.")]
+SplitOpt = Annotated[str, typer.Option("--split", help=f"Task split: {', '.join(SPLITS)}.")]
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output path (written atomically).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file (see configs/).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one machine-readable JSON object on stdout.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+WorkersOpt = Annotated[int, typer.Option("--workers", "-w", help="Parallel environment worker processes.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr.")]
+
+R = TypeVar("R")
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def run_command(fn: Callable[[], R]) -> R:
+    """Run a command body, mapping user errors to one-line messages and exit 2."""
+    try:
+        return fn()
+    except QevolveError as e:
+        raise fail(str(e)) from None
+    except FileNotFoundError as e:
+        raise fail(f"{e.filename}: no such file") from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+
+
+def check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
+    if value not in choices:
+        raise QevolveError(f"{option}: unknown value {value!r} (choose from {', '.join(choices)})")
+    return value
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def progress(quiet: bool = False, transient: bool = False):
+    """A rich progress bar on stderr (disabled when quiet)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=stderr_console(),
+        disable=quiet,
+        transient=transient,
+    )

@@ -1,0 +1,165 @@
+//! Bindings of labels, weights, GAE and ragged helpers.
+use crate::arrow_io::{bool_vec, f32_slice, i64_slice, import_array, u32_slice, ArrowExport, StrArr};
+use crate::to_py_err;
+use arrow_array::{ArrayRef, BooleanArray, Float32Array, Int64Array, StringArray};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use qevolve_core::{gae, labels, weights};
+use std::sync::Arc;
+
+fn export(a: ArrayRef) -> ArrowExport {
+    ArrowExport::new(a)
+}
+
+/// parse_action(text) -> str | None: the command of a ReAct output.
+#[pyfunction]
+fn parse_action(text: &str) -> Option<String> {
+    labels::parse_action(text).map(str::to_owned)
+}
+
+/// parse_actions(actions: pa.Array[str]) -> ArrowExport[str, nullable]
+#[pyfunction]
+fn parse_actions(py: Python<'_>, actions: &Bound<'_, PyAny>) -> PyResult<ArrowExport> {
+    let arr = import_array("action", actions)?;
+    let col = StrArr::from("action", &arr)?;
+    let out: StringArray = py.detach(|| {
+        use qevolve_core::StrColumn;
+        (0..col.len())
+            .map(|i| if col.is_null(i) { None } else { labels::parse_action(col.get(i)) })
+            .collect()
+    });
+    Ok(export(Arc::new(out)))
+}
+
+/// offsets_from_ids(ids: pa.Array[str]) -> ArrowExport[int64]
+#[pyfunction]
+fn offsets_from_ids(py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<ArrowExport> {
+    let arr = import_array("traj_id", ids)?;
+    let col = StrArr::from("traj_id", &arr)?;
+    let out = py.detach(|| qevolve_core::offsets_from_ids(&col));
+    Ok(export(Arc::new(Int64Array::from(out))))
+}
+
+/// trajectory_success(offsets, reward_env) -> ArrowExport[bool] (one per trajectory)
+#[pyfunction]
+fn trajectory_success(py: Python<'_>, offsets: &Bound<'_, PyAny>, reward_env: &Bound<'_, PyAny>) -> PyResult<ArrowExport> {
+    let (o, r) = (import_array("offsets", offsets)?, import_array("reward_env", reward_env)?);
+    let (o, r) = (i64_slice("offsets", &o)?, f32_slice("reward_env", &r)?);
+    let out = py.detach(|| weights::trajectory_success(o, r)).map_err(to_py_err)?;
+    Ok(export(Arc::new(BooleanArray::from(out))))
+}
+
+/// step_weights(offsets, success, n_rows, temporal=True, success_term=True) -> ArrowExport[float32]
+#[pyfunction]
+#[pyo3(signature = (offsets, success, n_rows, temporal=true, success_term=true))]
+fn step_weights(
+    py: Python<'_>,
+    offsets: &Bound<'_, PyAny>,
+    success: &Bound<'_, PyAny>,
+    n_rows: usize,
+    temporal: bool,
+    success_term: bool,
+) -> PyResult<ArrowExport> {
+    let o = import_array("offsets", offsets)?;
+    let o = i64_slice("offsets", &o)?;
+    let s = bool_vec("success", &import_array("success", success)?)?;
+    let opts = weights::WeightOptions { temporal, success: success_term };
+    let out = py.detach(|| weights::step_weights(o, &s, n_rows, opts)).map_err(to_py_err)?;
+    Ok(export(Arc::new(Float32Array::from(out))))
+}
+
+/// gae(offsets, reward, value, next_value, done, gamma, lam, reward_aux=None) -> ArrowExport[float32]
+#[pyfunction]
+#[pyo3(signature = (offsets, reward, value, next_value, done, gamma, lam, reward_aux=None))]
+#[allow(clippy::too_many_arguments)]
+fn gae_advantages(
+    py: Python<'_>,
+    offsets: &Bound<'_, PyAny>,
+    reward: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+    next_value: &Bound<'_, PyAny>,
+    done: &Bound<'_, PyAny>,
+    gamma: f64,
+    lam: f64,
+    reward_aux: Option<&Bound<'_, PyAny>>,
+) -> PyResult<ArrowExport> {
+    let o = import_array("offsets", offsets)?;
+    let r = import_array("reward_env", reward)?;
+    let v = import_array("value", value)?;
+    let nv = import_array("next_value", next_value)?;
+    let d = bool_vec("done", &import_array("done", done)?)?;
+    let aux = reward_aux.map(|a| import_array("reward_aux", a)).transpose()?;
+    let aux_slice = match &aux {
+        Some(a) => Some(f32_slice("reward_aux", a)?),
+        None => None,
+    };
+    let inp = gae::GaeInput {
+        offsets: i64_slice("offsets", &o)?,
+        reward: f32_slice("reward_env", &r)?,
+        reward_aux: aux_slice,
+        value: f32_slice("value", &v)?,
+        next_value: f32_slice("next_value", &nv)?,
+        done: &d,
+        gamma,
+        lambda: lam,
+    };
+    let out = py.detach(|| gae::gae(inp)).map_err(to_py_err)?;
+    Ok(export(Arc::new(Float32Array::from(out))))
+}
+
+fn rule_spec(d: &Bound<'_, PyDict>) -> PyResult<labels::RuleSpec> {
+    fn get<'py, T: for<'a> FromPyObject<'a, 'py>>(d: &Bound<'py, PyDict>, k: &str, default: T) -> PyResult<T> {
+        match d.get_item(k)? {
+            Some(v) => v.extract::<T>().map_err(|e| {
+                pyo3::exceptions::PyValueError::new_err(format!("rules field '{k}': {}", Into::<PyErr>::into(e)))
+            }),
+            None => Ok(default),
+        }
+    }
+    Ok(labels::RuleSpec {
+        env: get(d, "env", String::new())?,
+        r_fmt: get(d, "r_fmt", 0.0f32)?,
+        r_inv: get(d, "r_inv", 0.0f32)?,
+        r_repeat: get(d, "r_repeat", 0.0f32)?,
+        invalid_patterns: get(d, "invalid_patterns", Vec::<String>::new())?,
+        repeat_enabled: get(d, "repeat_enabled", true)?,
+        repeat_exempt_commands: get(d, "repeat_exempt_commands", Vec::<String>::new())?,
+    })
+}
+
+/// label_steps(action, observation, next_observation, env_code: pa.Array[uint32], rules: list[dict])
+/// -> (ArrowExport[float32] reward_aux, ArrowExport[str] aux_kind)
+#[pyfunction]
+fn label_steps(
+    py: Python<'_>,
+    action: &Bound<'_, PyAny>,
+    observation: &Bound<'_, PyAny>,
+    next_observation: &Bound<'_, PyAny>,
+    env_code: &Bound<'_, PyAny>,
+    rules: Vec<Bound<'_, PyDict>>,
+) -> PyResult<(ArrowExport, ArrowExport)> {
+    let a = import_array("action", action)?;
+    let o = import_array("observation", observation)?;
+    let n = import_array("next_observation", next_observation)?;
+    let c = import_array("env", env_code)?;
+    let (a, o, n) = (StrArr::from("action", &a)?, StrArr::from("observation", &o)?, StrArr::from("next_observation", &n)?);
+    let c = u32_slice("env", &c)?;
+    let compiled = rules
+        .iter()
+        .map(|d| rule_spec(d).and_then(|s| labels::Rules::compile(&s).map_err(to_py_err)))
+        .collect::<PyResult<Vec<_>>>()?;
+    let (r, k) = py.detach(|| labels::label_steps(&a, &o, &n, c, &compiled)).map_err(to_py_err)?;
+    let kinds: StringArray = k.iter().map(|k| Some(k.as_str())).collect();
+    Ok((export(Arc::new(Float32Array::from(r))), export(Arc::new(kinds))))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(parse_action, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_actions, m)?)?;
+    m.add_function(wrap_pyfunction!(offsets_from_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(trajectory_success, m)?)?;
+    m.add_function(wrap_pyfunction!(step_weights, m)?)?;
+    m.add_function(wrap_pyfunction!(gae_advantages, m)?)?;
+    m.add_function(wrap_pyfunction!(label_steps, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,230 @@
+//! Retrospective reward labelling (paper Eq. "retrospective labels"), with
+//! per-environment rules and precedence format > invalid > repeat:
+//!
+//! * `format`  — the model output has no parsable `Action:` line;
+//! * `invalid` — the next observation matches one of the environment's
+//!   invalid-action patterns;
+//! * `repeat`  — the next observation equals the current one, unless the
+//!   environment exempts repeats entirely (WebShop) or the command is a no-op
+//!   by design (SciWorld `wait` / `wait1`).
+use crate::error::{check_len, CoreError, Result};
+use crate::StrColumn;
+use rayon::prelude::*;
+use regex::{Regex, RegexSet};
+
+/// Marker that starts the command in a ReAct output.
+pub const ACTION_MARKER: &str = "Action:";
+
+/// The command of a ReAct output `Thought: ...\nAction: <command>`: the text
+/// after the last `Action:` up to the end of that line, trimmed. `None` when
+/// there is no marker or the command is empty (a format error).
+pub fn parse_action(text: &str) -> Option<&str> {
+    let at = text.rfind(ACTION_MARKER)?;
+    let rest = &text[at + ACTION_MARKER.len()..];
+    let line = match rest.find('\n') {
+        Some(nl) => &rest[..nl],
+        None => rest,
+    };
+    let cmd = line.trim();
+    if cmd.is_empty() {
+        None
+    } else {
+        Some(cmd)
+    }
+}
+
+/// Kind of an auxiliary label; stored as a string column `aux_kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AuxKind {
+    None = 0,
+    Format = 1,
+    Invalid = 2,
+    Repeat = 3,
+}
+
+impl AuxKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuxKind::None => "none",
+            AuxKind::Format => "format",
+            AuxKind::Invalid => "invalid",
+            AuxKind::Repeat => "repeat",
+        }
+    }
+}
+
+/// Uncompiled rules of one environment, as read from `configs/labels.yaml`.
+#[derive(Clone, Debug, Default)]
+pub struct RuleSpec {
+    pub env: String,
+    pub r_fmt: f32,
+    pub r_inv: f32,
+    pub r_repeat: f32,
+    /// Regular expressions searched in the next observation.
+    pub invalid_patterns: Vec<String>,
+    /// Whether an unchanged observation is penalised at all.
+    pub repeat_enabled: bool,
+    /// Regular expressions that must match the whole command for it to be
+    /// exempt from the repeat penalty (no-op actions by design).
+    pub repeat_exempt_commands: Vec<String>,
+}
+
+/// Compiled rules.
+#[derive(Clone, Debug)]
+pub struct Rules {
+    pub env: String,
+    pub r_fmt: f32,
+    pub r_inv: f32,
+    pub r_repeat: f32,
+    invalid: RegexSet,
+    repeat_enabled: bool,
+    exempt: Vec<Regex>,
+}
+
+impl Rules {
+    pub fn compile(spec: &RuleSpec) -> Result<Rules> {
+        let bad = |problem: String| CoreError::Rules { env: spec.env.clone(), problem };
+        for (name, x) in [("r_fmt", spec.r_fmt), ("r_inv", spec.r_inv), ("r_repeat", spec.r_repeat)] {
+            if !x.is_finite() {
+                return Err(bad(format!("{name} must be finite, got {x}")));
+            }
+        }
+        let invalid = RegexSet::new(&spec.invalid_patterns)
+            .map_err(|e| bad(format!("invalid_patterns: {e}")))?;
+        let exempt = spec
+            .repeat_exempt_commands
+            .iter()
+            .map(|p| Regex::new(&format!("^(?:{p})$")).map_err(|e| bad(format!("repeat_exempt_commands: {e}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Rules {
+            env: spec.env.clone(),
+            r_fmt: spec.r_fmt,
+            r_inv: spec.r_inv,
+            r_repeat: spec.r_repeat,
+            invalid,
+            repeat_enabled: spec.repeat_enabled,
+            exempt,
+        })
+    }
+
+    /// Label one step.
+    pub fn label(&self, action: &str, observation: &str, next_observation: &str) -> (f32, AuxKind) {
+        let cmd = match parse_action(action) {
+            None => return (self.r_fmt, AuxKind::Format),
+            Some(c) => c,
+        };
+        if self.invalid.is_match(next_observation) {
+            return (self.r_inv, AuxKind::Invalid);
+        }
+        if self.repeat_enabled
+            && observation.trim() == next_observation.trim()
+            && !self.exempt.iter().any(|re| re.is_match(cmd))
+        {
+            return (self.r_repeat, AuxKind::Repeat);
+        }
+        (0.0, AuxKind::None)
+    }
+}
+
+/// Label every row. `env_code[i]` indexes `rules` (the environment of row i).
+pub fn label_steps<A, O, N>(
+    action: &A,
+    observation: &O,
+    next_observation: &N,
+    env_code: &[u32],
+    rules: &[Rules],
+) -> Result<(Vec<f32>, Vec<AuxKind>)>
+where
+    A: StrColumn + ?Sized,
+    O: StrColumn + ?Sized,
+    N: StrColumn + ?Sized,
+{
+    let n = action.len();
+    check_len("observation", n, observation.len())?;
+    check_len("next_observation", n, next_observation.len())?;
+    check_len("env", n, env_code.len())?;
+    if let Some(&bad) = env_code.iter().find(|&&c| c as usize >= rules.len()) {
+        return Err(CoreError::Value { what: "env".into(), problem: format!("no rules for environment code {bad}") });
+    }
+    let pairs: Vec<(f32, AuxKind)> = (0..n)
+        .into_par_iter()
+        .with_min_len(4096)
+        .map(|i| {
+            let r = &rules[env_code[i] as usize];
+            // A null action is a format error; null observations compare as "".
+            let act = if action.is_null(i) { "" } else { action.get(i) };
+            let obs = if observation.is_null(i) { "" } else { observation.get(i) };
+            let nxt = if next_observation.is_null(i) { "" } else { next_observation.get(i) };
+            r.label(act, obs, nxt)
+        })
+        .collect();
+    Ok(pairs.into_iter().unzip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sciworld() -> Rules {
+        Rules::compile(&RuleSpec {
+            env: "sciworld".into(),
+            r_fmt: -0.3,
+            r_inv: -0.2,
+            r_repeat: -0.1,
+            invalid_patterns: vec!["No known action matches that input".into()],
+            repeat_enabled: true,
+            repeat_exempt_commands: vec!["wait1?".into()],
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn parse() {
+        assert_eq!(parse_action("Thought: x\nAction: open door"), Some("open door"));
+        assert_eq!(parse_action("Action: a\nAction:  b  \nmore"), Some("b"));
+        assert_eq!(parse_action("Thought: no action"), None);
+        assert_eq!(parse_action("Action:   \n"), None);
+        assert_eq!(parse_action("Action:look"), Some("look"));
+    }
+
+    #[test]
+    fn precedence_and_exemptions() {
+        let r = sciworld();
+        // format beats everything
+        assert_eq!(r.label("no marker", "o", "No known action matches that input."), (-0.3, AuxKind::Format));
+        // invalid beats repeat
+        let inv = "No known action matches that input.";
+        assert_eq!(r.label("Action: fly", inv, inv), (-0.2, AuxKind::Invalid));
+        assert_eq!(r.label("Action: look around", "room", "room"), (-0.1, AuxKind::Repeat));
+        assert_eq!(r.label("Action: wait1", "room", "room"), (0.0, AuxKind::None));
+        assert_eq!(r.label("Action: wait", "room", "room"), (0.0, AuxKind::None));
+        // exemption matches the whole command only
+        assert_eq!(r.label("Action: wait for it", "room", "room"), (-0.1, AuxKind::Repeat));
+        assert_eq!(r.label("Action: look around", "room", "hall"), (0.0, AuxKind::None));
+    }
+
+    #[test]
+    fn repeat_disabled() {
+        let r = Rules::compile(&RuleSpec { env: "webshop".into(), r_fmt: -0.3, repeat_enabled: false, ..Default::default() }).unwrap();
+        assert_eq!(r.label("Action: click[x]", "same", "same"), (0.0, AuxKind::None));
+    }
+
+    #[test]
+    fn bad_regex() {
+        let e = Rules::compile(&RuleSpec { env: "x".into(), invalid_patterns: vec!["(".into()], ..Default::default() });
+        assert!(matches!(e, Err(CoreError::Rules { .. })));
+    }
+
+    #[test]
+    fn batch_and_codes() {
+        let rules = vec![sciworld()];
+        let act = vec!["Action: look", "nothing"];
+        let obs = vec!["a", "b"];
+        let nxt = vec!["a", "c"];
+        let (r, k) = label_steps(&act, &obs, &nxt, &[0, 0], &rules).unwrap();
+        assert_eq!(r, vec![-0.1, -0.3]);
+        assert_eq!(k, vec![AuxKind::Repeat, AuxKind::Format]);
+        assert!(label_steps(&act, &obs, &nxt, &[0, 1], &rules).is_err());
+    }
+}

@@ -1,0 +1,57 @@
+"""Shared fixtures. Real components only: tiny HF models built offline, real environments, real files."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path(os.environ.get("QEVOLVE_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def qevolve_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_qevolve(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = False,
+                input: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``qevolve ARGS`` as a real subprocess (python -m qevolve_cli) from this checkout."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "qevolve_cli", *map(str, args)],
+        cwd=cwd or ROOT,
+        env=qevolve_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"qevolve {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA} (set QEVOLVE_SHARED_DATA)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny real HF causal LM + trained tokenizer + chat template, built offline once per session."""
+    from qevolve_cli.models.tiny import create_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny_model") / "model"
+    create_tiny_model(out, arch="llama", size="tiny", seed=0)
+    return out

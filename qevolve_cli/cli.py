@@ -12,7 +12,7 @@ import typer
 HELP = """Q-Evolve: self-evolving LLM agents for long-horizon text environments.
 
 \b
-The loop (SPEC §1): BC warm-up -> [rollout -> label -> critic -> label --critic -> policy] x K.
+The loop (SPEC §1): BC warm-up, then K times: rollout, label, critic, label --critic, policy (bppo).
 \b
 Examples:
   qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo

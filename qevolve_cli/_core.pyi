@@ -1,0 +1,57 @@
+"""Type stub of the Rust extension ``qevolve_cli._core`` (hand-written; checked by tests/check_stub.py).
+
+Array arguments are Arrow arrays (objects with ``__arrow_c_array__``, e.g.
+``pyarrow.Array``); results are :class:`ArrowExport` objects that
+``pyarrow.array(x)`` or Polars consume zero-copy (once).
+"""
+from typing import Any, Protocol
+
+__version__: str
+
+class _ArrowArray(Protocol):
+    def __arrow_c_array__(self, requested_schema: Any = ...) -> tuple[Any, Any]: ...
+
+class CoreDataError(ValueError):
+    """Invalid input to the data core (bad offsets, lengths, rules, gamma...)."""
+
+class ArrowExport:
+    def __arrow_c_array__(self, requested_schema: Any = None) -> tuple[Any, Any]: ...
+    def __len__(self) -> int: ...
+
+def parse_action(text: str) -> str | None:
+    """Command after the last ``Action:`` (to end of line, trimmed); None on a format error."""
+
+def parse_actions(actions: _ArrowArray) -> ArrowExport:
+    """Vectorised :func:`parse_action` over a string array (nulls for format errors)."""
+
+def offsets_from_ids(ids: _ArrowArray) -> ArrowExport:
+    """int64 offsets (n_traj + 1) of the runs of equal trajectory ids."""
+
+def trajectory_success(offsets: _ArrowArray, reward_env: _ArrowArray) -> ArrowExport:
+    """bool per trajectory: its summed environment reward is non-zero."""
+
+def step_weights(
+    offsets: _ArrowArray, success: _ArrowArray, n_rows: int, temporal: bool = True, success_term: bool = True
+) -> ArrowExport:
+    """float32 w_t = (t/T + d) * 0.5 + 0.5 for every row (terms switchable)."""
+
+def gae_advantages(
+    offsets: _ArrowArray,
+    reward: _ArrowArray,
+    value: _ArrowArray,
+    next_value: _ArrowArray,
+    done: _ArrowArray,
+    gamma: float,
+    lam: float,
+    reward_aux: _ArrowArray | None = None,
+) -> ArrowExport:
+    """float32 GAE advantages over ragged trajectories."""
+
+def label_steps(
+    action: _ArrowArray,
+    observation: _ArrowArray,
+    next_observation: _ArrowArray,
+    env_code: _ArrowArray,
+    rules: list[dict[str, Any]],
+) -> tuple[ArrowExport, ArrowExport]:
+    """(reward_aux float32, aux_kind str) per row; ``rules[env_code[i]]`` labels row i."""

@@ -1,0 +1,66 @@
+"""`qevolve label`: hybrid buffer -> labelled table (retrospective rewards, weights, positions, advantages)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qevolve_cli.commands.common import ConfigOpt, JsonOpt, OutOpt, emit_json, run_command, stderr_console
+
+HELP = """Label one or more step tables into ONE labelled table (SPEC §1 steps 2-5).
+
+\b
+Adds reward_aux / aux_kind (retrospective labels, rules per env from configs/labels.yaml),
+success and weight (w_t = (t/T + d)*0.5 + 0.5); with --tokenizer the prefix positions
+pos_s / pos_sa / pos_next; with --critic (or value/next_value already present) the GAE
+process reward `advantage`. Input files are never modified; the output is written atomically.
+
+\b
+Examples:
+  qevolve label expert.parquet self.parquet --out labeled.parquet
+  qevolve label expert.parquet self.parquet --out labeled.parquet --tokenizer runs/bc/policy
+  qevolve label labeled.parquet --critic runs/iter_1/critic --out advantages.parquet --json
+  qevolve label buf.parquet --out l.parquet --no-retrospective     # ablation w/o RR
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("label", help=HELP)
+    def label(
+        inputs: Annotated[list[Path], typer.Argument(help="Input step tables (Parquet).", show_default=False)],
+        out: OutOpt,
+        tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory: add pos_s/pos_sa/pos_next.")] = None,
+        critic: Annotated[Path | None, typer.Option("--critic", help="Critic directory: add value/next_value/advantage.")] = None,
+        config: ConfigOpt = None,
+        advantage: Annotated[str | None, typer.Option("--advantage", help="Process reward: gae, gae_aux, td, q_minus_v.")] = None,
+        retrospective: Annotated[bool | None, typer.Option("--retrospective/--no-retrospective", help="Retrospective labels on/off (ablation).")] = None,
+        max_length: Annotated[int | None, typer.Option("--max-length", help="Token budget for prefix indexing.")] = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        def body() -> None:
+            from qevolve_cli.config import load_config
+            from qevolve_cli.labeling import LabelConfig, label_tables
+
+            cfg = load_config(
+                LabelConfig, config, section="label" if config and _has_section(config, "label") else None,
+                overrides={"advantage": advantage, "retrospective": retrospective, "max_length": max_length},
+            )
+            summary = label_tables(inputs, out, cfg, tokenizer=tokenizer, critic=critic)
+            if json_out:
+                emit_json(summary)
+            else:
+                c = stderr_console()
+                c.print(
+                    f"[green]wrote[/green] {summary['out']}: {summary['trajectories']} trajectories, "
+                    f"{summary['steps']} steps, success {summary['success_rate']:.3f}, "
+                    f"aux {summary['aux_kind']} in {summary['seconds']['total']:.2f}s"
+                )
+
+        run_command(body)
+
+
+def _has_section(path: Path, name: str) -> bool:
+    from qevolve_cli.config import load_yaml
+
+    return name in load_yaml(path)

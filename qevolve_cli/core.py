@@ -1,0 +1,73 @@
+"""Polars-facing wrappers of the Rust data core (``qevolve_cli._core``).
+
+Columns travel as Arrow arrays (zero-copy from Polars via ``to_arrow``);
+results come back as Arrow arrays wrapped in Polars Series. No per-row Python
+objects; the Rust side releases the GIL and uses all cores.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+
+from qevolve_cli import _core
+
+
+def arrow(s: pl.Series) -> pa.Array:
+    """A single-chunk Arrow array of a Polars Series (zero-copy when already one chunk)."""
+    a = s.rechunk().to_arrow()
+    if isinstance(a, pa.ChunkedArray):
+        a = a.combine_chunks()
+    return a
+
+
+def series(name: str, exported: Any) -> pl.Series:
+    return pl.Series(name, pa.array(exported))
+
+
+def offsets(df: pl.DataFrame) -> pa.Array:
+    """Trajectory offsets (int64, n_traj + 1) of a table whose trajectories are contiguous."""
+    return pa.array(_core.offsets_from_ids(arrow(df["traj_id"])))
+
+
+def trajectory_success(offs: pa.Array, reward_env: pl.Series) -> pa.Array:
+    return pa.array(_core.trajectory_success(offs, arrow(reward_env.cast(pl.Float32))))
+
+
+def step_weights(offs: pa.Array, success: pa.Array, n_rows: int, temporal: bool = True,
+                 success_term: bool = True) -> pl.Series:
+    return series("weight", _core.step_weights(offs, success, n_rows, temporal, success_term))
+
+
+def broadcast(offs: pa.Array, per_traj: pa.Array, name: str) -> pl.Series:
+    """Repeat one value per trajectory over its rows."""
+    o = offs.to_numpy()
+    import numpy as np
+
+    lengths = np.diff(o)
+    return pl.Series(name, np.repeat(per_traj.to_numpy(zero_copy_only=False), lengths))
+
+
+def label_steps(df: pl.DataFrame, rules: Sequence[dict[str, Any]], env_code: pl.Series) -> tuple[pl.Series, pl.Series]:
+    r, k = _core.label_steps(
+        arrow(df["action"]),
+        arrow(df["observation"]),
+        arrow(df["next_observation"]),
+        arrow(env_code.cast(pl.UInt32)),
+        list(rules),
+    )
+    return series("reward_aux", r), series("aux_kind", k)
+
+
+def gae(offs: pa.Array, reward: pl.Series, value: pl.Series, next_value: pl.Series, done: pl.Series,
+        gamma: float, lam: float, reward_aux: pl.Series | None = None) -> pl.Series:
+    f32 = lambda s: arrow(s.cast(pl.Float32))  # noqa: E731
+    return series(
+        "advantage",
+        _core.gae_advantages(
+            offs, f32(reward), f32(value), f32(next_value), arrow(done.cast(pl.Boolean)), gamma, lam,
+            None if reward_aux is None else f32(reward_aux),
+        ),
+    )

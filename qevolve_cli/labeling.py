@@ -1,0 +1,219 @@
+"""`qevolve label`: retrospective labels, step weights, positions and advantages.
+
+Reads one or more step tables (the hybrid buffer D = D_expert ∪ D_self),
+validates them, and writes ONE table with ``reward_aux``, ``aux_kind``,
+``success``, ``weight``; with a tokenizer the prefix positions; with a critic
+(or when ``value``/``next_value`` are already present) the process reward
+``advantage``. Inputs are never modified. The heavy lifting is in the Rust
+core; torch is imported only for ``--critic``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from qevolve_cli import core, schema
+from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
+from qevolve_cli.errors import ConfigError, QevolveError, TableError
+
+ADVANTAGES = ("gae", "gae_aux", "td", "q_minus_v")
+
+
+@dataclass
+class LabelConfig(ConfigBase):
+    rules: str | None = field(None, help="YAML file of per-environment labelling rules (default: configs/labels.yaml).")
+    retrospective: bool = field(True, help="Assign retrospective auxiliary rewards; false = ablation 'w/o RR' (all zero).")
+    weight_temporal: bool = field(True, help="Keep the temporal term t/T of the step weight w_t.")
+    weight_success: bool = field(True, help="Keep the success term d of the step weight w_t.")
+    gamma: float = field(0.95, help="Discount factor gamma of GAE.", ge=0.0, le=1.0)
+    lam: float = field(0.95, help="GAE lambda.", ge=0.0, le=1.0)
+    advantage: str = field(
+        "gae",
+        help="Process reward: gae (r_env only, the paper), gae_aux (r_env + r_aux), td (r + gamma V' - V), "
+        "q_minus_v (needs a critic).",
+        choices=ADVANTAGES,
+    )
+    max_length: int | None = field(None, help="Token budget for prefix indexing (None: the tokenizer's maximum).", gt=0)
+
+
+def load_rules(path: str | Path | None, envs: list[str]) -> list[dict[str, Any]]:
+    """Rules for each env in ``envs`` (same order), from the YAML rules file."""
+    path = Path(path) if path else configs_dir() / "labels.yaml"
+    data = load_yaml(path)
+    out = []
+    allowed = {"r_fmt", "r_inv", "r_repeat", "invalid_patterns", "repeat_enabled", "repeat_exempt_commands"}
+    for env in envs:
+        if env not in data:
+            raise ConfigError(path, env, f"no labelling rules for environment {env!r} (have: {', '.join(sorted(data))})")
+        spec = data[env]
+        if not isinstance(spec, dict):
+            raise ConfigError(path, env, "expected a mapping")
+        unknown = sorted(set(spec) - allowed)
+        if unknown:
+            raise ConfigError(path, f"{env}.{unknown[0]}", f"unknown key (known: {', '.join(sorted(allowed))})")
+        out.append({"env": env, **spec})
+    return out
+
+
+def read_inputs(paths: list[Path]) -> pl.DataFrame:
+    frames = []
+    for p in paths:
+        frames.append(schema.read_table(p))
+    df = frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+    if len(frames) > 1:
+        # validation of the union catches a trajectory id used in two inputs
+        seen: dict[str, Path] = {}
+        for p, f in zip(paths, frames, strict=True):
+            for tid in f["traj_id"].unique().to_list():
+                if tid in seen:
+                    raise TableError(p, "traj_id", f"trajectory {tid!r} also appears in {seen[tid]}")
+                seen[tid] = p
+    return df
+
+
+def label_frame(
+    df: pl.DataFrame,
+    cfg: LabelConfig,
+    tokenizer: Any = None,
+    critic: str | Path | None = None,
+    source: str | Path | None = None,
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Label a validated frame; returns the labelled frame (trajectories contiguous) and timings."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    df = schema.sort_steps(df)
+    offs = core.offsets(df)
+    timings["sort"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    envs = sorted(df["env"].unique().to_list())
+    if cfg.retrospective:
+        rules = load_rules(cfg.rules, envs)
+        code = df["env"].replace_strict({e: i for i, e in enumerate(envs)}, return_dtype=pl.UInt32)
+        reward_aux, aux_kind = core.label_steps(df, rules, code)
+    else:
+        reward_aux = pl.Series("reward_aux", [0.0] * df.height, dtype=pl.Float32)
+        aux_kind = pl.Series("aux_kind", ["none"] * df.height, dtype=pl.String)
+    timings["labels"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    success = core.trajectory_success(offs, df["reward_env"])
+    weight = core.step_weights(offs, success, df.height, cfg.weight_temporal, cfg.weight_success)
+    df = df.with_columns(reward_aux, aux_kind, core.broadcast(offs, success, "success"), weight)
+    timings["weights"] = time.perf_counter() - t0
+
+    if tokenizer is not None:
+        t0 = time.perf_counter()
+        from qevolve_cli.prefix import add_prefix_positions
+
+        df = add_prefix_positions(df, tokenizer, max_length=cfg.max_length)
+        timings["prefix"] = time.perf_counter() - t0
+
+    if critic is not None:
+        t0 = time.perf_counter()
+        from qevolve_cli.critic.score import score_table
+
+        df = score_table(df, critic, tokenizer=tokenizer)
+        timings["critic"] = time.perf_counter() - t0
+
+    if "value" in df.columns and "next_value" in df.columns:
+        t0 = time.perf_counter()
+        df = with_advantage(df, offs, cfg, source)
+        timings["advantage"] = time.perf_counter() - t0
+    elif cfg.advantage != "gae":
+        raise QevolveError(f"advantage={cfg.advantage!r} needs critic values: pass --critic DIR")
+    return df, timings
+
+
+def with_advantage(df: pl.DataFrame, offs, cfg: LabelConfig, source: Any = None) -> pl.DataFrame:
+    for c in ("value", "next_value"):
+        n = df[c].null_count()
+        if n:
+            raise TableError(source, c, f"{n} null values: cannot compute advantages")
+    # V(terminal) = 0: the next value after a terminal step never bootstraps.
+    df = df.with_columns(
+        pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value")).cast(pl.Float32).alias("next_value")
+    )
+    if cfg.advantage in ("gae", "gae_aux", "td"):
+        lam = 0.0 if cfg.advantage == "td" else cfg.lam
+        aux = df["reward_aux"] if cfg.advantage == "gae_aux" else None
+        adv = core.gae(offs, df["reward_env"], df["value"], df["next_value"], df["done"], cfg.gamma, lam, aux)
+    else:  # q_minus_v
+        if "q_value" not in df.columns:
+            raise TableError(source, "q_value", "missing column: advantage=q_minus_v needs critic Q values")
+        adv = (df["q_value"] - df["value"]).cast(pl.Float32).alias("advantage")
+    return df.with_columns(adv)
+
+
+def label_tables(
+    inputs: list[str | Path],
+    out: str | Path,
+    cfg: LabelConfig | None = None,
+    tokenizer: str | Path | None = None,
+    critic: str | Path | None = None,
+) -> dict[str, Any]:
+    """Library entry point of `qevolve label`; returns a summary (also what --json prints)."""
+    cfg = cfg or LabelConfig()
+    paths = [Path(p) for p in inputs]
+    out = Path(out)
+    if not paths:
+        raise QevolveError("label: no input tables given")
+    for p in paths:
+        if p.resolve() == out.resolve():
+            raise QevolveError(f"{out}: the output would overwrite an input table (inputs are never modified)")
+    t_all = time.perf_counter()
+    t0 = time.perf_counter()
+    df = read_inputs(paths)
+    t_read = time.perf_counter() - t0
+    tok = None
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    elif critic is not None:
+        tok = load_tokenizer(critic)
+    df, timings = label_frame(df, cfg, tokenizer=tok, critic=critic, source=paths[0] if len(paths) == 1 else None)
+    t0 = time.perf_counter()
+    check_finite(df, out)
+    schema.write_table(df, out, producer="qevolve label", validate_rows=False)
+    timings["write"] = time.perf_counter() - t0
+    timings["read"] = t_read
+    timings["total"] = time.perf_counter() - t_all
+    kinds = df["aux_kind"].value_counts().sort("aux_kind")
+    summary: dict[str, Any] = {
+        "out": str(out),
+        "inputs": [str(p) for p in paths],
+        "trajectories": df["traj_id"].n_unique(),
+        "steps": df.height,
+        "success_rate": float(df.group_by("traj_id").agg(pl.col("success").first())["success"].mean()),
+        "aux_kind": dict(zip(kinds["aux_kind"].to_list(), kinds["count"].to_list(), strict=True)),
+        "mean_weight": float(df["weight"].mean()),
+        "columns": df.columns,
+        "seconds": {k: round(v, 4) for k, v in timings.items()},
+    }
+    if "advantage" in df.columns:
+        summary["advantage_mean"] = float(df["advantage"].mean())
+    return summary
+
+
+def check_finite(df: pl.DataFrame, path: Path) -> None:
+    for c in ("reward_aux", "weight", "value", "next_value", "advantage"):
+        if c in df.columns and df[c].dtype.is_float():
+            s = df[c]
+            if (s.is_nan() | s.is_infinite()).any():
+                raise TableError(path, c, "computed NaN/inf values (check the inputs); nothing was written")
+
+
+def load_tokenizer(path: str | Path):
+    """A Hugging Face tokenizer from a local directory (no network, no remote code)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise QevolveError(f"{p}: tokenizer directory not found")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - one-line message for the user
+        raise QevolveError(f"{p}: cannot load a tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

@@ -1,0 +1,206 @@
+"""The Rust core against plain-Python references: hand-computed cases and property-based tests."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import ref_gae, ref_label, ref_parse_action, ref_weights
+
+from qevolve_cli import _core, core, react
+
+SCI_RULE = {
+    "env": "sciworld", "r_fmt": -0.3, "r_inv": -0.2, "r_repeat": -0.1,
+    "invalid_patterns": ["No known action matches that input"], "repeat_enabled": True,
+    "repeat_exempt_commands": ["wait1?"],
+}
+WEB_RULE = {"env": "webshop", "r_fmt": -0.3, "r_inv": 0.0, "r_repeat": 0.0,
+            "invalid_patterns": ["^Invalid action"], "repeat_enabled": False, "repeat_exempt_commands": []}
+
+
+def offsets_of(lengths):
+    return pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+# ---------------------------------------------------------------- parser
+@pytest.mark.parametrize(
+    "text,cmd",
+    [
+        ("Thought: go.\nAction: open door", "open door"),
+        ("Action: a\nThought: b\nAction: c", "c"),
+        ("Thought: nothing", None),
+        ("Action:   ", None),
+        ("Action: take apple  \nextra line", "take apple"),
+        ("", None),
+    ],
+)
+def test_parse_action_cases(text, cmd):
+    assert react.parse_action(text) == cmd
+    assert react.parse_action_py(text) == cmd
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("Actio:n \n\tab.xyz")), max_size=40))
+def test_parse_action_matches_reference(text):
+    assert _core.parse_action(text) == ref_parse_action(text)
+
+
+# ---------------------------------------------------------------- weights
+def test_weights_hand_computed():
+    offs = offsets_of([2, 1])
+    w = core.step_weights(offs, pa.array([True, False]), 3).to_list()
+    assert w == pytest.approx([1.25, 1.5, 1.0])  # (0.5+1)/2+0.5, (1+1)/2+0.5, (1+0)/2+0.5
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.booleans()), min_size=1, max_size=20),
+    st.booleans(), st.booleans(),
+)
+def test_weights_match_reference(trajs, temporal, success_term):
+    lengths = [t[0] for t in trajs]
+    success = [t[1] for t in trajs]
+    got = core.step_weights(offsets_of(lengths), pa.array(success), sum(lengths), temporal, success_term).to_list()
+    assert got == pytest.approx(ref_weights(lengths, success, temporal, success_term), rel=1e-6)
+
+
+def test_success_from_rewards():
+    offs = offsets_of([2, 2, 1])
+    got = core.trajectory_success(offs, pl.Series([0.0, 0.5, 0.0, 0.0, -1.0]))
+    assert got.to_pylist() == [True, False, True]
+
+
+def test_weights_bad_offsets_raise():
+    with pytest.raises(_core.CoreDataError, match="offsets"):
+        _core.step_weights(pa.array([0, 5], pa.int64()), pa.array([True]), 3)
+    with pytest.raises(_core.CoreDataError, match="success"):
+        _core.step_weights(pa.array([0, 3], pa.int64()), pa.array([True, False]), 3)
+
+
+# ---------------------------------------------------------------- GAE
+def run_gae(lengths, r, v, nv, d, gamma, lam, aux=None):
+    f = lambda x: pl.Series(x, dtype=pl.Float32)  # noqa: E731
+    return core.gae(offsets_of(lengths), f(r), f(v), f(nv), pl.Series(d), gamma, lam,
+                    None if aux is None else f(aux)).to_list()
+
+
+def test_gae_hand_computed():
+    # gamma = lambda = 0.5; delta_1 = 1 - 0.5 = 0.5 = A_1; delta_0 = 0.5*0.5 - 0.25 = 0; A_0 = 0.25*0.5
+    assert run_gae([2], [0, 1], [0.25, 0.5], [0.5, 7.0], [False, True], 0.5, 0.5) == pytest.approx([0.125, 0.5])
+
+
+def test_gae_lambda_zero_is_td_error():
+    got = run_gae([3], [0, 0, 1], [0.1, 0.2, 0.3], [0.2, 0.3, 0.0], [False, False, True], 0.9, 0.0)
+    assert got == pytest.approx([0.9 * 0.2 - 0.1, 0.9 * 0.3 - 0.2, 1 - 0.3], rel=1e-6)
+
+
+def test_gae_other_trajectories_have_no_effect():
+    a = run_gae([2, 3], [0, 1, 0, 0, 1], [0.1, 0.2, 0.3, 0.4, 0.5], [0.2, 0, 0.4, 0.5, 0], [0, 1, 0, 0, 1], 0.95, 0.95)
+    b = run_gae([2, 3], [0, 1, 9, 9, 9], [0.1, 0.2, -3, 7, 2], [0.2, 0, 5, 5, 5], [0, 1, 0, 0, 1], 0.95, 0.95)
+    assert a[:2] == pytest.approx(b[:2])
+    assert a[2:] != pytest.approx(b[2:])
+
+
+def test_gae_aux_decomposition():
+    """Paper Prop. (GAE analysis): A_full - A_env = sum_l (gamma lambda)^l r_aux_{t+l}."""
+    g, lam = 0.95, 0.95
+    r, v, nv, d, aux = [0, 0, 1], [0.2, 0.4, 0.6], [0.4, 0.6, 0.0], [False, False, True], [-0.1, -0.3, 0.0]
+    env = run_gae([3], r, v, nv, d, g, lam)
+    full = run_gae([3], r, v, nv, d, g, lam, aux)
+    for t in range(3):
+        expect = sum((g * lam) ** l * aux[t + l] for l in range(3 - t))
+        assert full[t] - env[t] == pytest.approx(expect, abs=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(1, 25), min_size=1, max_size=12),
+    st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1), st.booleans(),
+)
+def test_gae_matches_reference(lengths, gamma, lam, seed, with_aux):
+    rng = np.random.default_rng(seed)
+    n = sum(lengths)
+    r, v, nv = (rng.normal(size=n).astype(np.float32) for _ in range(3))
+    aux = rng.normal(size=n).astype(np.float32) if with_aux else None
+    d = np.zeros(n, bool)
+    d[np.cumsum(lengths) - 1] = rng.random(len(lengths)) < 0.7  # some trajectories truncated
+    got = run_gae(lengths, r, v, nv, d.tolist(), gamma, lam, aux)
+    want = ref_gae(lengths, r.astype(float).tolist(), v.astype(float).tolist(), nv.astype(float).tolist(),
+                   d.tolist(), gamma, lam, None if aux is None else aux.astype(float).tolist())
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gae_rejects_bad_gamma_and_lengths():
+    with pytest.raises(_core.CoreDataError, match="gamma"):
+        run_gae([1], [0], [0], [0], [True], 1.5, 0.9)
+    with pytest.raises(_core.CoreDataError, match="value"):
+        _core.gae_advantages(offsets_of([2]), pa.array([0, 0], pa.float32()), pa.array([0], pa.float32()),
+                             pa.array([0, 0], pa.float32()), pa.array([False, True]), 0.9, 0.9)
+
+
+def test_gae_rejects_wrong_arrow_type():
+    with pytest.raises(TypeError, match="float32"):
+        _core.gae_advantages(offsets_of([1]), pa.array([0.0], pa.float64()), pa.array([0], pa.float32()),
+                             pa.array([0], pa.float32()), pa.array([True]), 0.9, 0.9)
+
+
+# ---------------------------------------------------------------- labels
+def label(rule, rows):
+    df = pl.DataFrame({"action": [r[0] for r in rows], "observation": [r[1] for r in rows],
+                       "next_observation": [r[2] for r in rows]})
+    r, k = core.label_steps(df, [rule], pl.Series([0] * len(rows)))
+    return list(zip(r.to_list(), k.to_list(), strict=True))
+
+
+def test_labels_precedence_and_exemptions():
+    inv = "No known action matches that input."
+    got = label(SCI_RULE, [
+        ("no action here", "o", inv),          # format beats invalid
+        ("Action: fly", inv, inv),             # invalid beats repeat
+        ("Action: look around", "room", "room"),
+        ("Action: wait", "room", "room"),      # no-op by design
+        ("Action: wait1", "room", "room"),
+        ("Action: look around", "room", "hall"),
+    ])
+    assert [k for _, k in got] == ["format", "invalid", "repeat", "none", "none", "none"]
+    assert [r for r, _ in got] == pytest.approx([-0.3, -0.2, -0.1, 0.0, 0.0, 0.0])
+
+
+def test_labels_webshop_repeat_exempt():
+    assert label(WEB_RULE, [("Action: click[Back]", "page", "page")]) == [(0.0, "none")]
+
+
+def test_labels_bad_rule_regex():
+    with pytest.raises(_core.CoreDataError, match="invalid_patterns"):
+        label({**SCI_RULE, "invalid_patterns": ["("]}, [("Action: x", "a", "b")])
+
+
+_texts = st.sampled_from(["room", "hall", " room ", "No known action matches that input.", "x"])
+_actions = st.sampled_from(["Action: look", "Action: wait", "Action: wait1", "nothing", "Thought: t\nAction: go", "Action:"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_actions, _texts, _texts), min_size=1, max_size=30), st.sampled_from([SCI_RULE, WEB_RULE]))
+def test_labels_match_reference(rows, rule):
+    got = label(rule, rows)
+    want = [ref_label(rule, *row) for row in rows]
+    assert [k for _, k in got] == [k for _, k in want]
+    assert all(math.isclose(a, b, abs_tol=1e-7) for (a, _), (b, _) in zip(got, want, strict=True))
+
+
+def test_labels_env_codes_route_rules():
+    df = pl.DataFrame({"action": ["Action: a", "Action: a"], "observation": ["s", "s"], "next_observation": ["s", "s"]})
+    r, k = core.label_steps(df, [SCI_RULE, WEB_RULE], pl.Series([0, 1]))
+    assert k.to_list() == ["repeat", "none"]
+    with pytest.raises(_core.CoreDataError, match="no rules"):
+        core.label_steps(df, [SCI_RULE], pl.Series([0, 1]))
+
+
+def test_string_view_and_large_string_inputs():
+    for t in (pa.string(), pa.large_string(), pa.string_view()):
+        a = pa.array(["Action: x", "y"], type=t)
+        assert pa.array(_core.parse_actions(a)).to_pylist() == ["x", None]

@@ -1,0 +1,169 @@
+"""`qevolve label` and `qevolve inspect`: real files, CliRunner and subprocess runs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+from conftest import run_qevolve
+from reference import ref_gae, ref_label, ref_weights
+from typer.testing import CliRunner
+
+from qevolve_cli import schema
+from qevolve_cli.cli import app
+from qevolve_cli.config import configs_dir, load_yaml
+from qevolve_cli.synthetic import synthetic_table
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def buffers(tmp_path):
+    expert = synthetic_table(5, mean_steps=6, seed=1, source="expert", iteration=0, p_success=1.0)
+    selfp = synthetic_table(8, mean_steps=6, seed=2, source="self", iteration=1)
+    pe, ps = tmp_path / "expert.parquet", tmp_path / "self.parquet"
+    schema.write_table(expert, pe)
+    schema.write_table(selfp, ps)
+    return pe, ps
+
+
+def test_label_matches_references(tmp_path, buffers):
+    pe, ps = buffers
+    before = (pe.read_bytes(), ps.read_bytes())
+    out = tmp_path / "labeled.parquet"
+    r = runner.invoke(app, ["label", str(pe), str(ps), "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert (pe.read_bytes(), ps.read_bytes()) == before  # inputs untouched
+    df = schema.read_table(out)
+    assert summary["steps"] == df.height == pl.read_parquet(pe).height + pl.read_parquet(ps).height
+    rule = {"env": "sciworld", **load_yaml(configs_dir() / "labels.yaml")["sciworld"]}
+    want = [ref_label(rule, a, o, n) for a, o, n in zip(df["action"], df["observation"], df["next_observation"], strict=True)]
+    assert df["aux_kind"].to_list() == [k for _, k in want]
+    assert np.allclose(df["reward_aux"].to_numpy(), [r for r, _ in want])
+    per = df.group_by("traj_id", maintain_order=True).agg(pl.len(), pl.col("reward_env").sum())
+    lengths, success = per["len"].to_list(), (per["reward_env"] != 0).to_list()
+    assert np.allclose(df["weight"].to_numpy(), ref_weights(lengths, success), rtol=1e-6)
+    assert df.filter(pl.col("source") == "expert")["success"].all()
+    assert "advantage" not in df.columns
+
+
+def test_label_advantage_from_values(tmp_path, buffers):
+    pe, _ = buffers
+    d = schema.read_table(pe)
+    rng = np.random.default_rng(0)
+    d = d.with_columns(pl.Series("value", rng.normal(size=d.height), dtype=pl.Float32),
+                       pl.Series("next_value", rng.normal(size=d.height), dtype=pl.Float32))
+    src = tmp_path / "with_values.parquet"
+    schema.write_table(d, src)
+    out = tmp_path / "adv.parquet"
+    r = runner.invoke(app, ["label", str(src), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    df = schema.read_table(out)
+    lengths = df.group_by("traj_id", maintain_order=True).len()["len"].to_list()
+    nv = np.where(df["done"].to_numpy(), 0.0, df["next_value"].to_numpy())
+    assert np.all(df.filter(pl.col("done"))["next_value"].to_numpy() == 0.0)  # V(terminal) = 0
+    want = ref_gae(lengths, df["reward_env"].to_list(), df["value"].to_list(), nv.tolist(), df["done"].to_list(), 0.95, 0.95)
+    assert np.allclose(df["advantage"].to_numpy(), want, atol=1e-5)
+    # the td ablation is GAE with lambda = 0
+    out2 = tmp_path / "td.parquet"
+    assert runner.invoke(app, ["label", str(src), "--out", str(out2), "--advantage", "td"]).exit_code == 0
+    td = schema.read_table(out2)
+    want_td = ref_gae(lengths, td["reward_env"].to_list(), td["value"].to_list(), nv.tolist(), td["done"].to_list(), 0.95, 0.0)
+    assert np.allclose(td["advantage"].to_numpy(), want_td, atol=1e-5)
+
+
+def test_label_no_retrospective_ablation(tmp_path, buffers):
+    pe, ps = buffers
+    out = tmp_path / "norr.parquet"
+    assert runner.invoke(app, ["label", str(ps), "--out", str(out), "--no-retrospective"]).exit_code == 0
+    df = schema.read_table(out)
+    assert (df["reward_aux"] == 0).all() and (df["aux_kind"] == "none").all()
+
+
+def test_label_config_file_drops_weight_terms(tmp_path, buffers):
+    _, ps = buffers
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("label:\n  weight_temporal: false\n  weight_success: false\n")
+    out = tmp_path / "w.parquet"
+    assert runner.invoke(app, ["label", str(ps), "--out", str(out), "--config", str(cfg)]).exit_code == 0
+    assert (schema.read_table(out)["weight"] == 0.5).all()
+
+
+@pytest.mark.parametrize(
+    "make_bad,needle",
+    [
+        (lambda d: d.with_columns(pl.lit(float("nan")).cast(pl.Float32).alias("reward_env")), "column 'reward_env'"),
+        (lambda d: d.drop("action"), "column 'action': missing column"),
+        (lambda d: d.with_columns(pl.lit("mars").alias("env")), "no labelling rules for environment 'mars'"),
+    ],
+)
+def test_label_bad_input_one_line_error(tmp_path, buffers, make_bad, needle):
+    _, ps = buffers
+    bad = tmp_path / "bad.parquet"
+    make_bad(pl.read_parquet(ps)).write_parquet(bad)
+    out = tmp_path / "out.parquet"
+    r = runner.invoke(app, ["label", str(bad), "--out", str(out)])
+    assert r.exit_code == 2
+    assert needle in r.stderr and r.stderr.count("\n") == 1 and r.stderr.startswith("error: ")
+    assert not out.exists()
+
+
+def test_label_refuses_to_overwrite_input(buffers):
+    pe, _ = buffers
+    r = runner.invoke(app, ["label", str(pe), "--out", str(pe)])
+    assert r.exit_code == 2 and "overwrite an input" in r.stderr
+
+
+def test_label_rejects_trajectory_in_two_inputs(tmp_path, buffers):
+    pe, _ = buffers
+    r = runner.invoke(app, ["label", str(pe), str(pe), "--out", str(tmp_path / "o.parquet")])
+    assert r.exit_code == 2 and "also appears in" in r.stderr
+
+
+def test_label_bad_config(tmp_path, buffers):
+    _, ps = buffers
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("label:\n  gamma: 3\n")
+    r = runner.invoke(app, ["label", str(ps), "--out", str(tmp_path / "o.parquet"), "--config", str(cfg)])
+    assert r.exit_code == 2 and "field 'gamma'" in r.stderr and "<= 1.0" in r.stderr
+    cfg.write_text("label:\n  gama: 0.9\n")
+    r = runner.invoke(app, ["label", str(ps), "--out", str(tmp_path / "o.parquet"), "--config", str(cfg)])
+    assert r.exit_code == 2 and "unknown key" in r.stderr
+
+
+def test_subprocess_label_then_inspect(tmp_path, buffers):
+    pe, ps = buffers
+    out = tmp_path / "lab.parquet"
+    r = run_qevolve("label", pe, ps, "--out", out, "--json")
+    assert r.returncode == 0, r.stderr
+    r = run_qevolve("inspect", out, "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    df = pl.read_parquet(out)
+    assert stats["trajectories"] == df["traj_id"].n_unique() == 13
+    assert stats["steps"] == df.height
+    assert stats["trajectories_by_source"] == {"expert": 5, "self": 8}
+    assert sum(stats["steps_by_aux_kind"].values()) == df.height
+    assert stats["success_rate"] == pytest.approx(df.group_by("traj_id").agg(pl.col("success").first())["success"].mean())
+    human = run_qevolve("inspect", out)
+    assert human.returncode == 0 and "success_rate" in human.stdout
+    missing = run_qevolve("inspect", tmp_path / "nope.parquet")
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_label_does_not_import_torch(tmp_path, buffers):
+    pe, _ = buffers
+    code = (
+        "import sys; from qevolve_cli.labeling import label_tables; "
+        f"label_tables([{str(pe)!r}], {str(tmp_path / 'x.parquet')!r}); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    import subprocess
+    import sys
+
+    from conftest import qevolve_env
+
+    r = subprocess.run([sys.executable, "-c", code], env=qevolve_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

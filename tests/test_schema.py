@@ -1,0 +1,123 @@
+"""Trajectory-table schema: validation messages name file, column and problem; writes are atomic."""
+from __future__ import annotations
+
+import os
+
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from qevolve_cli import schema
+from qevolve_cli.errors import TableError
+from qevolve_cli.synthetic import synthetic_table
+
+
+@pytest.fixture
+def df():
+    return synthetic_table(6, mean_steps=4, seed=1)
+
+
+def test_roundtrip_and_version(tmp_path, df):
+    p = schema.write_table(df, tmp_path / "t.parquet")
+    assert pq.read_schema(p).metadata[b"qevolve.schema_version"] == schema.SCHEMA_VERSION.encode()
+    back = schema.read_table(p)
+    assert back.equals(schema.validate(df))
+    # readable by pyarrow and polars lazily too
+    assert pl.scan_parquet(p).select(pl.len()).collect().item() == df.height
+
+
+@pytest.mark.parametrize(
+    "mutate,column,problem",
+    [
+        (lambda d: d.drop("reward_env"), "reward_env", "missing column"),
+        (lambda d: d.with_columns(pl.col("step").cast(pl.String)), "step", "wrong type"),
+        (lambda d: d.with_columns(pl.when(pl.int_range(pl.len()) == 3).then(float("nan")).otherwise(pl.col("reward_env")).alias("reward_env")), "reward_env", "NaN/inf"),
+        (lambda d: d.with_columns(pl.when(pl.int_range(pl.len()) == 2).then(float("inf")).otherwise(pl.col("reward_env")).alias("reward_env")), "reward_env", "NaN/inf"),
+        (lambda d: d.with_columns(pl.when(pl.col("step") == 1).then(100).otherwise(pl.col("step")).alias("step")), "step", "non-contiguous"),
+        (lambda d: pl.concat([d, d.head(1)]), "step", "duplicate"),
+        (lambda d: d.with_columns(pl.lit("").alias("traj_id")), "traj_id", "empty trajectory id"),
+        (lambda d: d.with_columns(pl.lit("robot").alias("source")), "source", "unknown value"),
+        (lambda d: d.with_columns(pl.lit(True).alias("done")), "done", "before the last step"),
+        (lambda d: d.with_columns(pl.lit(None, dtype=pl.String).alias("observation")), "observation", "null values"),
+    ],
+)
+def test_validation_errors_name_column(tmp_path, df, mutate, column, problem):
+    bad = mutate(df)
+    p = tmp_path / "bad.parquet"
+    bad.write_parquet(p)
+    with pytest.raises(TableError) as ei:
+        schema.read_table(p)
+    msg = str(ei.value)
+    assert str(p) in msg and f"column '{column}'" in msg and problem in msg
+    assert "\n" not in msg
+
+
+def test_empty_table_and_not_parquet(tmp_path, df):
+    p = tmp_path / "empty.parquet"
+    df.head(0).write_parquet(p)
+    with pytest.raises(TableError, match="empty table"):
+        schema.read_table(p)
+    q = tmp_path / "junk.parquet"
+    q.write_text("not parquet at all")
+    with pytest.raises(TableError, match="not a readable Parquet file"):
+        schema.read_table(q)
+    with pytest.raises(TableError, match="no such file"):
+        schema.read_table(tmp_path / "missing.parquet")
+
+
+def test_future_schema_version_rejected(tmp_path, df):
+    t = df.to_arrow().replace_schema_metadata({b"qevolve.schema_version": b"99"})
+    p = tmp_path / "v99.parquet"
+    pq.write_table(t, p)
+    with pytest.raises(TableError, match="schema version 99"):
+        schema.read_table(p)
+
+
+def test_int64_columns_conformed(tmp_path, df):
+    p = tmp_path / "i64.parquet"
+    df.with_columns(pl.col("step").cast(pl.Int64), pl.col("reward_env").cast(pl.Float64)).write_parquet(p)
+    back = schema.read_table(p)
+    assert back.schema["step"] == pl.Int32 and back.schema["reward_env"] == pl.Float32
+
+
+def test_failed_write_keeps_previous_file(tmp_path, df):
+    p = schema.write_table(df, tmp_path / "t.parquet")
+    before = p.read_bytes()
+    bad = df.with_columns(pl.lit(float("nan")).cast(pl.Float32).alias("reward_env"))
+    with pytest.raises(TableError):
+        schema.write_table(bad, p)
+    assert p.read_bytes() == before
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []
+
+
+def test_interrupted_write_leaves_no_partial_file(tmp_path, df, monkeypatch):
+    import pyarrow.parquet as pqm
+
+    def boom(table, where, **kw):
+        with open(where, "wb") as f:
+            f.write(b"PAR1 half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pqm, "write_table", boom)
+    with pytest.raises(KeyboardInterrupt):
+        schema.write_table(df, tmp_path / "new.parquet")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sort_steps_makes_trajectories_contiguous(df):
+    shuffled = df.sample(fraction=1.0, shuffle=True, seed=3)
+    s = schema.sort_steps(shuffled)
+    ids = s["traj_id"].to_list()
+    # each id forms one run, steps ascending inside it
+    runs = [ids[0]] + [b for a, b in zip(ids, ids[1:], strict=False) if a != b]
+    assert len(runs) == len(set(runs)) == df["traj_id"].n_unique()
+    for _, g in s.group_by("traj_id", maintain_order=True):
+        assert g["step"].to_list() == list(range(g.height))
+
+
+def test_drop_failed():
+    d = synthetic_table(3, mean_steps=2, seed=2)
+    first = d["traj_id"][0]
+    d = d.with_columns(pl.when(pl.col("traj_id") == first).then(pl.lit("worker crashed")).otherwise(None).alias("error"))
+    kept = schema.drop_failed(d)
+    assert first not in kept["traj_id"].to_list() and kept["traj_id"].n_unique() == 2

@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP) $(EXT_STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP):  # keyed on the hash of pyproject.toml (in the name), not on mtimes
 	@mkdir -p $(CACHE)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -55,3 +55,16 @@ def label_steps(
     rules: list[dict[str, Any]],
 ) -> tuple[ArrowExport, ArrowExport]:
     """(reward_aux float32, aux_kind str) per row; ``rules[env_code[i]]`` labels row i."""
+
+class PrefixIndexer:
+    """A tokenizer (``tokenizer.json``) loaded once; tokenises rendered transcripts in parallel."""
+
+    def __init__(self, tokenizer_json: str) -> None: ...
+    def index(
+        self, texts: _ArrowArray, char_ends: _ArrowArray, end_offsets: _ArrowArray
+    ) -> tuple[ArrowExport, ArrowExport, ArrowExport]:
+        """(positions int32 per prefix end, -1 where unchecked; seq_len int32 per text; ok bool per text)."""
+    def encode(self, texts: _ArrowArray) -> ArrowExport:
+        """list<int32> token ids per text (no special tokens added)."""
+    def encode_lengths(self, texts: _ArrowArray) -> ArrowExport:
+        """int32 token count per text."""

@@ -110,8 +110,10 @@ def label_frame(
         t0 = time.perf_counter()
         from qevolve_cli.prefix import add_prefix_positions
 
-        df = add_prefix_positions(df, tokenizer, max_length=cfg.max_length)
+        pstats: dict[str, Any] = {}
+        df = add_prefix_positions(df, tokenizer, max_length=cfg.max_length, stats=pstats)
         timings["prefix"] = time.perf_counter() - t0
+        timings["prefix_stats"] = pstats  # fallbacks to the slow path, truncated / overlong steps
 
     if critic is not None:
         t0 = time.perf_counter()
@@ -191,8 +193,10 @@ def label_tables(
         "aux_kind": dict(zip(kinds["aux_kind"].to_list(), kinds["count"].to_list(), strict=True)),
         "mean_weight": float(df["weight"].mean()),
         "columns": df.columns,
-        "seconds": {k: round(v, 4) for k, v in timings.items()},
+        "seconds": {k: round(v, 4) for k, v in timings.items() if isinstance(v, float)},
     }
+    if "prefix_stats" in timings:
+        summary["prefix"] = timings["prefix_stats"]
     if "advantage" in df.columns:
         summary["advantage_mean"] = float(df["advantage"].mean())
     return summary

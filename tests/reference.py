@@ -14,7 +14,7 @@ def ref_parse_action(text):
 
 def ref_weights(lengths, success, temporal=True, success_term=True):
     out = []
-    for T, d in zip(lengths, success):
+    for T, d in zip(lengths, success, strict=True):
         for t in range(1, T + 1):
             term_t = t / T if temporal else 0.0
             term_d = (1.0 if d else 0.0) if success_term else 0.0

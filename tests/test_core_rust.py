@@ -112,7 +112,7 @@ def test_gae_aux_decomposition():
     env = run_gae([3], r, v, nv, d, g, lam)
     full = run_gae([3], r, v, nv, d, g, lam, aux)
     for t in range(3):
-        expect = sum((g * lam) ** l * aux[t + l] for l in range(3 - t))
+        expect = sum((g * lam) ** j * aux[t + j] for j in range(3 - t))
         assert full[t] - env[t] == pytest.approx(expect, abs=1e-6)
 
 

@@ -167,3 +167,20 @@ def test_label_does_not_import_torch(tmp_path, buffers):
 
     r = subprocess.run([sys.executable, "-c", code], env=qevolve_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_label_with_tokenizer_adds_positions(tmp_path, buffers, tiny_model_dir):
+    pe, ps = buffers
+    out = tmp_path / "pos.parquet"
+    r = run_qevolve("label", pe, ps, "--tokenizer", tiny_model_dir, "--out", out, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["prefix"]["fallback_trajectories"] == 0
+    df = schema.read_table(out)
+    for c in ("pos_s", "pos_sa", "pos_next", "seq_len"):
+        assert df[c].null_count() == 0
+    assert (df["pos_s"] < df["pos_sa"]).all() and (df["pos_sa"] < df["pos_next"]).all()
+    assert (df["pos_next"] < df["seq_len"]).all()
+    # within a trajectory (no truncation here) the next state of step t is the state of step t+1
+    nxt = df.with_columns(pl.col("pos_s").shift(-1).over("traj_id").alias("s_next")).drop_nulls("s_next")
+    assert (nxt["pos_next"] == nxt["s_next"]).all()

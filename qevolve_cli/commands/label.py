@@ -56,6 +56,9 @@ def register(app: typer.Typer) -> None:
                     f"{summary['steps']} steps, success {summary['success_rate']:.3f}, "
                     f"aux {summary['aux_kind']} in {summary['seconds']['total']:.2f}s"
                 )
+                if "prefix" in summary:
+                    p = summary["prefix"]
+                    c.print("prefix positions: " + ", ".join(f"{k}={v}" for k, v in p.items()))
 
         run_command(body)
 

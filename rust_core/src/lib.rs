@@ -11,6 +11,7 @@
 pub mod error;
 pub mod gae;
 pub mod labels;
+pub mod prefix;
 pub mod ragged;
 pub mod weights;
 

@@ -3,6 +3,7 @@
 //! one place ([`to_py_err`]). No algorithm lives here.
 mod arrow_io;
 mod core_fns;
+mod prefix_fns;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
@@ -22,5 +23,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<arrow_io::ArrowExport>()?;
     core_fns::register(m)?;
+    prefix_fns::register(m)?;
     Ok(())
 }

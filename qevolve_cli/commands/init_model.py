@@ -1,0 +1,55 @@
+"""``qevolve init-model``: create a tiny real HF causal LM + tokenizer + chat template offline."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qevolve_cli.commands.common import JsonOpt, OutOpt, SeedOpt, check_choice, emit_json, run_command
+
+HELP = """Create a tiny Hugging Face causal LM offline (no network).
+
+\b
+Writes a real LlamaForCausalLM / Qwen2ForCausalLM (random init, safetensors),
+a byte-level BPE tokenizer trained on built-in environment text, and a ChatML
+chat template (eos = <|im_end|>, the end of a turn). Loadable with
+AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR). OUT must not exist
+or be empty; it is written atomically.
+\b
+Examples:
+  qevolve init-model --out models/tiny
+  qevolve init-model --out models/small-qwen --arch qwen2 --size small --seed 1 --json
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("init-model", help=HELP)
+    def init_model(
+        out: OutOpt,
+        arch: Annotated[str, typer.Option("--arch", help="Architecture: llama or qwen2.")] = "llama",
+        size: Annotated[str, typer.Option("--size", help="tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers).")] = "tiny",
+        seed: SeedOpt = 0,
+        json_out: JsonOpt = False,
+    ) -> None:
+        def body() -> None:
+            from qevolve_cli.models.tiny import ARCHS, SIZES
+
+            check_choice(arch, ARCHS, "--arch")
+            check_choice(size, SIZES, "--size")
+            import json
+
+            from qevolve_cli.models.tiny import create_tiny_model
+
+            t0 = time.perf_counter()
+            path = create_tiny_model(out, arch=arch, size=size, seed=seed)
+            info = json.loads((Path(path) / "qevolve_model.json").read_text())
+            info.update(out=str(path), seconds=round(time.perf_counter() - t0, 2))
+            if json_out:
+                emit_json(info)
+            else:
+                typer.echo(f"wrote {info['arch']}/{info['size']} model ({info['parameters']:,} parameters, "
+                           f"vocab {info['vocab_size']}) to {path}")
+
+        run_command(body)

@@ -1,0 +1,1 @@
+"""Model helpers: tiny offline models (:mod:`qevolve_cli.models.tiny`)."""

@@ -13,11 +13,15 @@ STAMP := $(VENV)/.deps-$(DEPS_HASH)
 EXT_SRC := $(shell find rust_core -name '*.rs' -o -name Cargo.toml) Cargo.toml
 EXT_STAMP := qevolve_cli/_core.abi3.so
 export PATH := $(VENV)/bin:$(HOME)/.cargo/bin:$(PATH)
+# compiled Rust dependencies are cached across clones too
+export CARGO_TARGET_DIR ?= $(CACHE)/target
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
+QEVOLVE := $(PY) -m qevolve_cli
 
-.PHONY: setup demo test test-py test-rust bench lint build clean
+.PHONY: setup demo test test-py test-rust bench lint build install clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -32,10 +36,15 @@ $(STAMP):  # keyed on the hash of pyproject.toml (in the name), not on mtimes
 	@touch $@
 
 $(EXT_STAMP): $(STAMP) $(EXT_SRC)
-	VIRTUAL_ENV=$(VENV) $(PY) -m maturin develop --release -q
+	# build the extension in place (qevolve_cli/_core.abi3.so); `make install` puts `qevolve` on the venv's PATH
+	VIRTUAL_ENV=$(VENV) $(PY) -m maturin develop --release --skip-install -q
 	@touch $@
 
 build: $(EXT_STAMP)
+
+# the `qevolve` console script in the venv (editable install of this checkout)
+install: setup
+	VIRTUAL_ENV=$(VENV) $(PY) -m maturin develop --release -q
 
 test: setup test-rust test-py
 
@@ -46,8 +55,8 @@ test-py: setup
 	$(PY) -m pytest -q tests
 
 demo: setup
-	$(VENV)/bin/qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo --resume
-	$(VENV)/bin/qevolve report runs/demo
+	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo --resume
+	$(QEVOLVE) report runs/demo
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done

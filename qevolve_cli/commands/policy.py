@@ -1,0 +1,87 @@
+"""``qevolve policy``: behaviour cloning, BPPO or AWR on a trajectory table."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, run_command
+
+HELP = """Train the policy: behaviour cloning (bc), BPPO (bppo) or AWR (awr).
+
+\b
+bc   : NLL of the assistant (thought + action) tokens of expert rows.
+bppo : clipped behaviour-proximal objective with the table's `advantage`
+       (run `qevolve label --critic` first), KL to pi_ref, thought tokens
+       down-weighted, asymmetric clipping (eps_low 0.8, eps_high 0.4).
+awr  : exp(A/beta)-weighted NLL, weights clipped (the paper's ablation).
+\b
+Writes OUT atomically: model weights (safetensors) or a LoRA adapter, the
+tokenizer files, config.yaml (resolved), metrics.jsonl (loss per optimiser
+step) and train_summary.json. An interrupted run resumes at its last finished
+epoch when started again with the same arguments.
+\b
+Examples:
+  qevolve policy --objective bc --data expert.parquet --model tiny/ --out bc/
+  qevolve policy --objective bppo --data labeled.parquet --model bc/ --out it1/ --config configs/policy.yaml --preset alfworld_iter1
+  qevolve policy --objective awr --data labeled.parquet --model bc/ --out awr/ --set awr_beta=0.5 --json
+"""
+
+
+def _parse_sets(sets: list[str] | None) -> dict:
+    import yaml
+
+    from qevolve_cli.errors import ConfigError
+
+    out = {}
+    for s in sets or []:
+        if "=" not in s:
+            raise ConfigError("--set", s, "expected KEY=VALUE")
+        k, v = s.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("policy", help=HELP)
+    def policy(
+        data: Annotated[Path, typer.Option("--data", help="Trajectory table (Parquet).")],
+        model: Annotated[Path, typer.Option("--model", help="Initial policy: HF model directory or LoRA adapter.")],
+        out: Annotated[Path, typer.Option("--out", "-o", help="Output model directory (written atomically).")],
+        objective: Annotated[str | None, typer.Option("--objective", help="bc, bppo or awr (default: the "
+                                                      "config's objective, bc).")] = None,
+        ref: Annotated[Path | None, typer.Option("--ref", help="Reference policy for the KL (default: --model).")] = None,
+        config: ConfigOpt = None,
+        preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file "
+                                                   "(default file configs/policy.yaml).")] = None,
+        sets: Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE "
+                                                       "(repeatable).")] = None,
+        epochs: Annotated[int | None, typer.Option("--epochs", help="Override epochs.")] = None,
+        lr: Annotated[float | None, typer.Option("--lr", help="Override the learning rate.")] = None,
+        lora: Annotated[bool | None, typer.Option("--lora/--full", help="Train a LoRA adapter or all weights.")] = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Random seed.")] = None,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        def body():
+            from qevolve_cli.commands.common import check_choice
+            from qevolve_cli.policy.config import OBJECTIVES, load_policy_config
+
+            if objective is not None:
+                check_choice(objective, OBJECTIVES, "--objective")
+            flags = {"objective": objective, "epochs": epochs, "lr": lr, "lora": lora, "seed": seed}
+            overrides = {**_parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
+            cfg = load_policy_config(config, preset, overrides)
+            from qevolve_cli.policy.trainer import train_policy
+
+            metrics = train_policy(cfg, data, model, out, ref=ref, quiet=quiet)
+            if json_out:
+                emit_json(metrics)
+            else:
+                typer.echo(
+                    f"{cfg.objective}: {metrics['optimizer_steps']} steps, action NLL {metrics['nll_before']:.4f} -> "
+                    f"{metrics['nll_after']:.4f}, {metrics['tokens_per_s']} tokens/s; wrote {out}"
+                )
+
+        run_command(body)

@@ -1,0 +1,112 @@
+"""``PolicyConfig``: configuration of ``qevolve policy`` (BC, BPPO, AWR).
+
+Mirrored by ``configs/policy.yaml`` (named presets per environment and
+iteration from the paper's tables "Hyperparameters" and "Iteration 1 vs
+Iteration 2"). Where the paper gives no value (KL weight alpha, thought weight,
+AWR temperature) the defaults below are our documented choices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qevolve_cli.config import ConfigBase, configs_dir, field, load_config, load_yaml
+from qevolve_cli.errors import ConfigError
+
+OBJECTIVES = ("bc", "bppo", "awr")
+
+
+@dataclass
+class PolicyConfig(ConfigBase):
+    objective: str = field("bc", help="Training objective: bc (NLL on expert actions), bppo, awr.",
+                           choices=OBJECTIVES)
+    # optimisation (paper Table "Hyperparameters")
+    lr: float = field(1e-5, help="Peak learning rate (paper: 1e-5 SFT/iter 1 ALFWorld, 5e-6 otherwise).", gt=0)
+    epochs: int = field(3, help="Training epochs (paper: 3 BC/ALFWorld iter 1, 2 otherwise).", ge=1)
+    weight_decay: float = field(0.0, help="AdamW weight decay.", ge=0)
+    warmup_ratio: float = field(0.03, help="Linear warm-up as a fraction of all optimiser steps.", ge=0, le=1)
+    lr_scheduler: str = field("cosine", help="Learning-rate schedule after warm-up.", choices=("cosine", "constant"))
+    max_grad_norm: float = field(1.0, help="Gradient-norm clipping (0 = off).", ge=0)
+    seed: int = field(0, help="Random seed (initialisation of LoRA, batch order).")
+    # batching ("dynamic" batch size: a padded-token budget per forward pass)
+    max_length: int = field(4096, help="Maximum tokens of one trajectory; older turns are dropped beyond it "
+                                       "(transcript.truncate).", ge=16)
+    micro_batch_tokens: int = field(8192, help="Padded-token budget of one forward pass (dynamic batching).",
+                                    ge=16)
+    micro_batch_size: int = field(8, help="Maximum trajectories per forward pass (0 = only the token budget).",
+                                  ge=0)
+    grad_accum_steps: int = field(1, help="Micro-batches accumulated per optimiser step.", ge=1)
+    # model
+    lora: bool = field(False, help="Train a PEFT LoRA adapter instead of all weights.")
+    lora_r: int = field(16, help="LoRA rank.", ge=1)
+    lora_alpha: int = field(32, help="LoRA alpha.", ge=1)
+    lora_dropout: float = field(0.0, help="LoRA dropout.", ge=0, lt=1)
+    lora_target_modules: str = field("all-linear", help="LoRA target modules: 'all-linear' or a comma list.")
+    gradient_checkpointing: bool = field(False, help="Recompute activations in backward (saves GPU memory).")
+    # BPPO (paper Eq. final_policy_loss)
+    eps_low: float = field(0.8, help="Lower clip range: eta >= 1 - eps_low (paper best 0.8).", ge=0, le=1)
+    eps_high: float = field(0.4, help="Upper clip range: eta <= 1 + eps_high (paper best 0.4).", ge=0)
+    kl_coef: float = field(0.01, help="alpha: weight of KL(pi || pi_ref) (paper: alpha in [0, 1]; our default).",
+                           ge=0, le=1)
+    kl_estimator: str = field("k3", help="Per-token KL estimator: k3 = exp(r) - r - 1 (default), k1, k2.",
+                              choices=("k1", "k2", "k3"))
+    thought_weight: float = field(0.5, help="Weight of thought tokens (< 1 down-weights them; action tokens 1).",
+                                  ge=0, le=1)
+    old_refresh_steps: int = field(0, help="Refresh pi_old from the current policy every N optimiser steps "
+                                           "(0 = never; paper iter 1: no/50/200 for ALFWorld/SciWorld/WebShop).",
+                                   ge=0)
+    normalize_advantage: bool = field(False, help="Standardise advantages over the training steps.")
+    # AWR ablation
+    awr_beta: float = field(1.0, help="AWR temperature beta in exp(A / beta).", gt=0)
+    awr_max_weight: float = field(20.0, help="AWR weights are clipped to this maximum.", gt=0)
+    # data
+    bc_source: str = field("expert", help="Rows used by bc: expert rows only, or all rows.",
+                           choices=("expert", "all"))
+    drop_failed: bool = field(True, help="Drop trajectories whose 'error' column is set (crashed episodes).")
+    # runtime
+    device: str = field("auto", help="cpu, cuda or auto.", choices=("auto", "cpu", "cuda"))
+    precision: str = field("auto", help="auto (bf16 on GPU, fp32 on CPU), fp32 or bf16.",
+                           choices=("auto", "fp32", "bf16"))
+    save_dtype: str = field("auto", help="dtype of saved full weights: auto (the initial model's), float32, "
+                                         "bfloat16.", choices=("auto", "float32", "bfloat16"))
+    deepspeed: str | None = field(None, help="DeepSpeed config (configs/deepspeed/zero2.json or zero3.json); "
+                                             "launch with accelerate/deepspeed/torchrun.")
+    max_steps: int = field(0, help="Stop after this many optimiser steps (0 = all epochs; for smoke tests).",
+                           ge=0)
+
+    def validate(self, source: Any = None, prefix: str = "") -> None:
+        if self.eps_low >= 1.0 and self.objective == "bppo":
+            raise ConfigError(source, prefix + "eps_low", "must be < 1 (the ratio lower bound 1 - eps_low > 0)")
+        if self.micro_batch_tokens < 16:
+            raise ConfigError(source, prefix + "micro_batch_tokens", "must be >= 16")
+
+
+def default_config_path() -> Path:
+    return configs_dir() / "policy.yaml"
+
+
+def load_policy_config(path: str | Path | None = None, preset: str | None = None,
+                       overrides: dict[str, Any] | None = None) -> PolicyConfig:
+    """Load a policy config: ``path`` (a flat mapping, or a file of named presets) + ``preset`` + overrides.
+
+    A presets file (like ``configs/policy.yaml``) maps names to partial
+    configs; without ``preset`` its ``default`` section is used. Every preset
+    inherits the ``default`` section.
+    """
+    if path is None and preset is not None:
+        path = default_config_path()
+    if path is None:
+        return load_config(PolicyConfig, None, None, overrides)
+    data = load_yaml(path)
+    is_presets = bool(data) and all(isinstance(v, dict) for v in data.values())
+    if not is_presets:
+        if preset is not None:
+            raise ConfigError(path, preset, "the file has no named presets")
+        return load_config(PolicyConfig, path, None, overrides)
+    name = preset or "default"
+    if name not in data:
+        raise ConfigError(path, name, f"no such preset (known: {', '.join(sorted(data))})")
+    merged = {**data.get("default", {}), **data[name]}
+    merged = {**merged, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return PolicyConfig.from_dict(merged, source=path)

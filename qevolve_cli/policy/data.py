@@ -1,0 +1,209 @@
+"""Policy training data: one tokenised sequence per trajectory with per-token labels.
+
+Each trajectory is rendered once with the shared transcript builder
+(:func:`qevolve_cli.transcript.build_messages`, ending on its last action) and
+the tokenizer's chat template, tokenised once (with character offsets), and
+every token gets:
+
+* ``loss_mask`` - True for tokens of an assistant message's content (the full
+  model output: thought + action) and of its end-of-turn token (the template's
+  ``eos_token`` right after the content). System/user prompts, observations and
+  role headers are False;
+* ``step`` - the step t whose action the token belongs to (-1 elsewhere), so
+  that the step advantage A_t applies to every token of that action;
+* ``is_thought`` - True for content tokens before the last ``Action:`` marker
+  (:func:`qevolve_cli.react.action_char_span`). Outputs with no ``Action:``
+  (format errors) count as action tokens, so their penalty is not down-weighted.
+
+Long trajectories follow the shared rule :func:`qevolve_cli.transcript.truncate`
+(oldest (assistant, user) pairs after the instruction are dropped until the
+rendered transcript fits ``max_length`` tokens); if even the shortest form
+does not fit, tokens past ``max_length`` are cut.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from qevolve_cli import transcript
+from qevolve_cli.errors import QevolveError, TableError
+from qevolve_cli.react import action_char_span
+
+
+@dataclass
+class PolicyExample:
+    traj_id: str
+    input_ids: np.ndarray  # (L,) int64
+    loss_mask: np.ndarray  # (L,) bool, token-aligned (True: this token is a training target)
+    step: np.ndarray  # (L,) int32, step of the action the token belongs to, -1 elsewhere
+    is_thought: np.ndarray  # (L,) bool
+    advantages: np.ndarray  # (n_steps,) float32 (zeros when the table has none)
+    source: str
+    dropped_turns: int = 0
+    cut: bool = False
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def n_targets(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str) -> list[tuple[int, int, int, int]]:
+    """Character spans of the assistant messages in the rendered ``text``.
+
+    Returns ``(message_index, content_start, content_end, turn_end)`` where
+    ``turn_end`` also covers the end-of-turn token when the template puts the
+    tokenizer's ``eos_token`` right after the content.
+    """
+    eos = tokenizer.eos_token or ""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
+        content = m["content"]
+        start = len(prefix) if text.startswith(prefix) else -1
+        if start < 0 or text[start : start + len(content)] != content:
+            # templates that add text between the generation prompt and the content
+            guess = text.find(content, max(0, min(len(prefix), len(text))) - 64)
+            if guess < 0:
+                raise QevolveError(
+                    "the chat template changes assistant messages when rendering a conversation; "
+                    "cannot locate the action tokens (use a template that renders assistant content verbatim)"
+                )
+            start = guess
+        end = start + len(content)
+        turn_end = end
+        if eos:
+            k = text.find(eos, end)
+            if k >= 0 and text[end:k].strip() == "":
+                turn_end = k + len(eos)
+        spans.append((i, start, end, turn_end))
+    return spans
+
+
+def encode_trajectory(tokenizer, system: str, instruction: str, observations: Sequence[str],
+                      actions: Sequence[str], max_length: int, system_in_user: bool = False
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]:
+    """Tokenise one trajectory -> (ids, loss_mask, step, is_thought, dropped_turns, cut)."""
+    n = len(actions)
+    msgs = transcript.build_messages(system, instruction, list(observations), list(actions), system_in_user)
+    tr = transcript.truncate(msgs, lambda m: _n_tokens(tokenizer, render(tokenizer, m)) <= max_length,
+                             system_in_user)
+    msgs = tr.messages
+    text = render(tokenizer, msgs)
+    spans = assistant_spans(tokenizer, msgs, text)
+    first_step = n - len(spans)  # truncation only drops the oldest turns
+    char_step = np.full(len(text) + 1, -1, dtype=np.int32)
+    char_thought = np.zeros(len(text) + 1, dtype=bool)
+    for j, (mi, start, end, turn_end) in enumerate(spans):
+        char_step[start:turn_end] = first_step + j
+        span = action_char_span(msgs[mi]["content"])
+        if span is not None and span[0] > 0:
+            char_thought[start : start + span[0]] = True
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    offs = enc["offset_mapping"]
+    L = len(ids)
+    step = np.full(L, -1, dtype=np.int32)
+    thought = np.zeros(L, dtype=bool)
+    for k, (s, e) in enumerate(offs):
+        if e <= s:
+            continue
+        seg = char_step[s:e]
+        hit = np.nonzero(seg >= 0)[0]
+        if hit.size:
+            step[k] = seg[hit[0]]
+            thought[k] = char_thought[s + hit[0]]
+    cut = False
+    if L > max_length:
+        ids, step, thought, cut = ids[:max_length], step[:max_length], thought[:max_length], True
+    mask = step >= 0
+    return ids, mask, step, thought, tr.dropped_turns, cut
+
+
+def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage: bool = False,
+                   path: str | None = None, system_in_user: bool | None = None) -> list[PolicyExample]:
+    """Tokenise every trajectory of a (validated, step-sorted) table."""
+    from qevolve_cli.envs.prompts import instruction_prompt
+    from qevolve_cli.schema import sort_steps
+
+    if system_in_user is None:
+        system_in_user = transcript.needs_system_in_user(tokenizer)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise QevolveError("the tokenizer has no chat template (tokenizer_config.json: chat_template)")
+    df = sort_steps(df)
+    out: list[PolicyExample] = []
+    for (traj_id,), g in df.group_by("traj_id", maintain_order=True):
+        env = g["env"][0]
+        try:
+            system = instruction_prompt(env)
+        except KeyError as e:
+            raise TableError(path, "env", str(e).strip("'\"")) from None
+        adv = g["advantage"].to_numpy().astype(np.float32) if with_advantage else np.zeros(g.height, np.float32)
+        if with_advantage and np.isnan(adv).any():
+            t = int(np.nonzero(np.isnan(adv))[0][0])
+            raise TableError(path, "advantage", f"null/NaN advantage in trajectory {traj_id!r} step {t} "
+                             "(run `qevolve label --critic` first)")
+        ids, mask, step, thought, dropped, cut = encode_trajectory(
+            tokenizer, system, g["instruction"][0], g["observation"].to_list(), g["action"].to_list(),
+            max_length, system_in_user,
+        )
+        out.append(PolicyExample(str(traj_id), ids, mask, step, thought, adv, g["source"][0], dropped, cut))
+    return out
+
+
+def collate(examples: Sequence[PolicyExample], pad_id: int, thought_weight: float = 1.0,
+            logp_old: Sequence[np.ndarray] | None = None, logp_ref: Sequence[np.ndarray] | None = None) -> dict:
+    """Pad a micro-batch. Per-token tensors are *prediction-aligned*: position j scores token j+1.
+
+    Returns ``input_ids, attention_mask`` (B, T) and ``mask, adv, is_thought,
+    token_weights`` (B, T) aligned with :func:`qevolve_cli.algos.sequence_logprobs`;
+    plus ``logp_old`` / ``logp_ref`` (B, T) when given (stored prediction-aligned).
+    """
+    import torch
+
+    B = len(examples)
+    T = max(len(e) for e in examples)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    att = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    adv = torch.zeros((B, T), dtype=torch.float32)
+    thought = torch.zeros((B, T), dtype=torch.bool)
+    lo = torch.zeros((B, T), dtype=torch.float32) if logp_old is not None else None
+    lr = torch.zeros((B, T), dtype=torch.float32) if logp_ref is not None else None
+    for b, e in enumerate(examples):
+        L = len(e)
+        ids[b, :L] = torch.from_numpy(e.input_ids)
+        att[b, :L] = 1
+        # token j+1 is predicted at position j
+        mask[b, : L - 1] = torch.from_numpy(e.loss_mask[1:])
+        st = e.step[1:]
+        a = np.where(st >= 0, e.advantages[np.clip(st, 0, None)] if e.advantages.size else 0.0, 0.0)
+        adv[b, : L - 1] = torch.from_numpy(a.astype(np.float32))
+        thought[b, : L - 1] = torch.from_numpy(e.is_thought[1:])
+        if lo is not None:
+            lo[b, :L] = torch.from_numpy(logp_old[b])
+        if lr is not None:
+            lr[b, :L] = torch.from_numpy(logp_ref[b])
+    tw = torch.where(thought, torch.full_like(adv, float(thought_weight)), torch.ones_like(adv))
+    out = {"input_ids": ids, "attention_mask": att, "mask": mask, "adv": adv, "is_thought": thought,
+           "token_weights": tw}
+    if lo is not None:
+        out["logp_old"] = lo
+    if lr is not None:
+        out["logp_ref"] = lr
+    return out

@@ -1,0 +1,368 @@
+"""``train_policy``: behaviour cloning, BPPO and AWR on a trajectory table.
+
+Memory: only the policy is kept during training. pi_ref's per-token log-probs
+are computed once before training (from ``--ref`` if given, else from the
+initial policy) and the reference model is then freed; pi_old's log-probs are
+computed from the current policy at the start and every
+``old_refresh_steps`` optimiser steps (0 = never: pi_old is the initial
+policy, i.e. the behaviour policy of BPPO). Both use eval mode and no grad.
+
+Output (written atomically: temp dir + rename): a model directory that
+transformers and vLLM load directly (full weights as safetensors + tokenizer
+files, or a PEFT LoRA adapter + tokenizer files), ``config.yaml`` (the
+resolved :class:`PolicyConfig` plus the inputs), ``metrics.jsonl`` (one line
+per optimiser step) and ``train_summary.json``. Work in progress (epoch
+checkpoints, the running log) lives in a hidden sibling ``.<out>.work/`` so
+that an interrupted run resumes after its last finished epoch.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qevolve_cli.errors import QevolveError, TableError
+from qevolve_cli.policy.config import PolicyConfig
+from qevolve_cli.policy.data import PolicyExample, build_examples, collate
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def check_model_dir(path: str | Path, what: str = "--model") -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise QevolveError(f"{what} {p}: no such model directory")
+    if not p.is_dir():
+        raise QevolveError(f"{what} {p}: not a directory")
+    if not (p / "config.json").exists() and not (p / "adapter_config.json").exists():
+        raise QevolveError(f"{what} {p}: not a Hugging Face model directory (no config.json or adapter_config.json)")
+    return p
+
+
+def load_causal_lm(path: str | Path, trainable_lora: bool = False, what: str = "--model"):
+    """Load a causal LM (or a PEFT adapter over its base) in float32 from safetensors, no remote code."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = check_model_dir(path, what)
+    kw = dict(dtype=torch.float32, trust_remote_code=False, use_safetensors=True)
+    try:
+        if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
+            from peft import PeftModel
+
+            base_path = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            if not base_path:
+                raise QevolveError(f"{p}/adapter_config.json: no base_model_name_or_path")
+            base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
+            model = PeftModel.from_pretrained(base, str(p), is_trainable=trainable_lora)
+            if not trainable_lora:
+                model = model.merge_and_unload()
+            return model
+        return AutoModelForCausalLM.from_pretrained(str(p), **kw)
+    except QevolveError:
+        raise
+    except (OSError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QevolveError(f"{what} {p}: cannot load the model ({msg})") from None
+
+
+def load_tokenizer(path: str | Path, what: str = "--model"):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QevolveError(f"{what} {path}: cannot load the tokenizer ({msg})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy_table(cfg: PolicyConfig, data: str | Path):
+    """Read and select the training rows of ``data`` for ``cfg.objective``."""
+    import polars as pl
+
+    from qevolve_cli.schema import drop_failed, read_table
+
+    need = ["advantage"] if cfg.objective in ("bppo", "awr") else []
+    df = read_table(data, require=need)
+    if cfg.drop_failed:
+        df = drop_failed(df)
+    if cfg.objective == "bc" and cfg.bc_source == "expert":
+        df = df.filter(pl.col("source") == "expert")
+        if df.height == 0:
+            raise TableError(data, "source", "no expert rows to clone (bc uses rows with source == 'expert')")
+    if df.height == 0:
+        raise TableError(data, None, "no trajectories left to train on")
+    if need:
+        nulls = df.filter(pl.col("advantage").is_null())
+        if nulls.height:
+            r = nulls.row(0, named=True)
+            raise TableError(data, "advantage", f"{nulls.height} null values (first at traj_id={r['traj_id']!r} "
+                             f"step={r['step']}); run `qevolve label --critic` first")
+    return df
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def batch_logprobs(model, batch: dict, device: str):
+    """Per-token log pi of the next token, (B, T) prediction-aligned."""
+    from qevolve_cli.algos import sequence_logprobs
+
+    ids = batch["input_ids"].to(device)
+    out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), use_cache=False)
+    return sequence_logprobs(out.logits, ids)
+
+
+def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_tokens: int, device: str,
+                     autocast=None) -> list[np.ndarray]:
+    """Log-probs of every example under ``model`` (eval mode, no grad) -> one (L,) array per example."""
+    import contextlib
+
+    import torch
+
+    from qevolve_cli.training import token_budget_batches
+
+    was_training = model.training
+    model.eval()
+    res: list[np.ndarray | None] = [None] * len(examples)
+    with torch.no_grad():
+        for idx in token_budget_batches([len(e) for e in examples], max_tokens, 0, shuffle=False):
+            batch = collate([examples[i] for i in idx], pad_id)
+            with autocast() if autocast else contextlib.nullcontext():
+                lp = batch_logprobs(model, batch, device).float().cpu().numpy()
+            for b, i in enumerate(idx):
+                res[i] = lp[b, : len(examples[i])].copy()
+    if was_training:
+        model.train()
+    return res  # type: ignore[return-value]
+
+
+def step_logprob_stats(examples: list[PolicyExample], logps: list[np.ndarray]) -> dict[str, Any]:
+    """Per-step summed action log-prob (over loss tokens) and the mean NLL per target token."""
+    per_step: list[tuple[float, float]] = []  # (advantage, summed logp)
+    tot, n = 0.0, 0
+    for e, lp in zip(examples, logps):
+        m = e.loss_mask[1:]
+        st = e.step[1:]
+        v = lp[: len(e) - 1]
+        tot += float(-(v[m]).sum())
+        n += int(m.sum())
+        for s in np.unique(st[m]):
+            sel = m & (st == s)
+            per_step.append((float(e.advantages[s]), float(v[sel].sum())))
+    return {"nll": tot / max(1, n), "per_step": per_step, "tokens": n}
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _apply_lora(model, cfg: PolicyConfig):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if isinstance(model, PeftModel):
+        return model
+    targets: Any = cfg.lora_target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                    target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, lc)
+
+
+def work_dir_for(out: Path) -> Path:
+    return out.parent / f".{out.name}.work"
+
+
+def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: str | Path,
+                 ref: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Train a policy with ``cfg.objective`` on table ``data`` from ``model``; write ``out``. -> metrics."""
+    import torch
+
+    from qevolve_cli.algos import awr_loss, bppo_loss, token_nll
+    from qevolve_cli.atomic import atomic_dir, write_json
+    from qevolve_cli.config import dump_yaml
+    from qevolve_cli.training import Hooks, TrainArgs, group_steps, make_backend, remove_checkpoint, \
+        token_budget_batches, train_loop
+
+    t_start = time.perf_counter()
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    out = Path(out)
+    model_path = check_model_dir(model)
+    if ref is not None:
+        check_model_dir(ref, "--ref")
+    df = load_policy_table(cfg, data)
+    work = work_dir_for(out)
+
+    args = TrainArgs(
+        epochs=cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
+        lr_scheduler=cfg.lr_scheduler, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
+        precision=cfg.precision, device=cfg.device, log_path=work / "metrics.jsonl", ckpt_dir=work / "ckpt",
+        deepspeed=Path(cfg.deepspeed) if cfg.deepspeed else None, quiet=quiet, desc=f"policy {cfg.objective}",
+        max_steps=cfg.max_steps,
+    )
+    backend = make_backend(args, cfg.grad_accum_steps)
+    device = backend.device
+    torch.manual_seed(cfg.seed)
+    tok = load_tokenizer(model_path)
+    policy = load_causal_lm(model_path, trainable_lora=cfg.lora)
+    init_dtype = getattr(policy.config, "dtype", None)
+    if cfg.lora:
+        policy = _apply_lora(policy, cfg)
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        if cfg.lora:
+            policy.enable_input_require_grads()
+    policy.to(device)
+
+    examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.objective in ("bppo", "awr"),
+                              path=str(data))
+    examples = [e for e in examples if e.n_targets > 0]
+    if not examples:
+        raise TableError(data, "action", "no action tokens left to train on after truncation")
+    if cfg.normalize_advantage and cfg.objective in ("bppo", "awr"):
+        allv = np.concatenate([e.advantages for e in examples])
+        mu, sd = float(allv.mean()), float(allv.std()) + 1e-8
+        for e in examples:
+            e.advantages = ((e.advantages - mu) / sd).astype(np.float32)
+    pad_id = tok.pad_token_id
+
+    # ---- reference and old-policy log-probs (precomputed; only the policy stays loaded)
+    state: dict[str, list[np.ndarray] | None] = {"old": None, "ref": None}
+    lp_init = compute_logprobs(policy, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast)
+    if cfg.objective == "bppo":
+        state["old"] = lp_init
+        if ref is not None:
+            ref_model = load_causal_lm(ref, what="--ref").to(device)
+            state["ref"] = compute_logprobs(ref_model, examples, pad_id, cfg.micro_batch_tokens, device,
+                                            backend.autocast)
+            del ref_model
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        else:
+            state["ref"] = lp_init
+    before = step_logprob_stats(examples, lp_init)
+
+    def make_steps(epoch: int) -> list[list[list[int]]]:
+        mbs = token_budget_batches([len(e) for e in examples], cfg.micro_batch_tokens, cfg.micro_batch_size,
+                                   shuffle=True, seed=cfg.seed * 1000003 + epoch)
+        return group_steps(mbs, cfg.grad_accum_steps)
+
+    def loss_fn(m, idx: list[int], ctx: dict):
+        exs = [examples[i] for i in idx]
+        old = [state["old"][i] for i in idx] if state["old"] is not None else None
+        refl = [state["ref"][i] for i in idx] if state["ref"] is not None else None
+        batch = collate(exs, pad_id, cfg.thought_weight, old, refl)
+        lp = batch_logprobs(m, batch, ctx["device"]).float()
+        mask = batch["mask"].to(lp.device)
+        tw = batch["token_weights"].to(lp.device)
+        if cfg.objective == "bc":
+            loss = token_nll(lp, mask)
+            return loss, {"nll": float(loss.detach())}
+        adv = batch["adv"].to(lp.device)
+        if cfg.objective == "awr":
+            return awr_loss(lp, adv, mask, tw, cfg.awr_beta, cfg.awr_max_weight)
+        return bppo_loss(lp, batch["logp_old"].to(lp.device), adv, mask, tw, cfg.eps_low, cfg.eps_high,
+                         batch["logp_ref"].to(lp.device), cfg.kl_coef, cfg.kl_estimator)
+
+    def on_step(step: int, m) -> None:
+        if cfg.objective == "bppo" and cfg.old_refresh_steps and step % cfg.old_refresh_steps == 0:
+            state["old"] = compute_logprobs(m, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast)
+
+    def flat(key: str) -> dict[str, torch.Tensor]:
+        v = state[key]
+        return {} if v is None else {f"logp_{key}": torch.from_numpy(np.concatenate(v).astype(np.float32))}
+
+    def load_extra(extra: dict[str, torch.Tensor]) -> None:
+        lens = np.cumsum([0] + [len(e) for e in examples])
+        for key in ("old", "ref"):
+            t = extra.get(f"logp_{key}")
+            if t is not None:
+                a = t.numpy()
+                if a.shape[0] != lens[-1]:
+                    raise QevolveError(f"{work}: checkpoint does not match the data (delete it to start over)")
+                state[key] = [a[lens[i] : lens[i + 1]].copy() for i in range(len(examples))]
+
+    hooks = Hooks(on_step=on_step, extra_state=lambda: {**flat("old"), **flat("ref")}, load_extra_state=load_extra)
+    result = train_loop(
+        policy, make_steps, loss_fn, args,
+        micro_weight=lambda idx: sum(examples[i].n_targets for i in idx),
+        micro_tokens=lambda idx: sum(len(examples[i]) for i in idx),
+        hooks=hooks, backend=backend,
+    )
+    unwrapped = backend.unwrap(policy)
+    lp_final = compute_logprobs(unwrapped, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast)
+    after = step_logprob_stats(examples, lp_final)
+
+    def delta(sign: int) -> float | None:
+        d = [a2[1] - a1[1] for a1, a2 in zip(before["per_step"], after["per_step"]) if np.sign(a1[0]) == sign]
+        return float(np.mean(d)) if d else None
+
+    metrics: dict[str, Any] = {
+        "objective": cfg.objective,
+        "trajectories": len(examples),
+        "steps": int(sum(e.advantages.size for e in examples)),
+        "optimizer_steps": result.steps,
+        "epochs": cfg.epochs,
+        "resumed_from_epoch": result.resumed_from_epoch,
+        "train_tokens": result.tokens,
+        "target_tokens": before["tokens"],
+        "train_seconds": round(result.seconds, 3),
+        "tokens_per_s": round(result.tokens / result.seconds, 1) if result.seconds > 0 else None,
+        "nll_before": before["nll"],
+        "nll_after": after["nll"],
+        "logp_delta_pos_adv": delta(1),
+        "logp_delta_neg_adv": delta(-1),
+        "truncated_trajectories": sum(1 for e in examples if e.dropped_turns or e.cut),
+        "final_loss": result.last_metrics.get("loss"),
+        "device": device,
+        "data": str(data),
+        "model": str(model_path),
+        "ref": str(ref) if ref is not None else None,
+        "out": str(out),
+    }
+
+    if backend.is_main:
+        with atomic_dir(out) as tmp:
+            save_model(unwrapped, tok, tmp, cfg, init_dtype, backend)
+            dump_yaml(cfg, tmp / "config.yaml")  # loadable again with --config
+            if (work / "metrics.jsonl").exists():
+                shutil.copyfile(work / "metrics.jsonl", tmp / "metrics.jsonl")
+            else:
+                (tmp / "metrics.jsonl").write_text("")
+            metrics["total_seconds"] = round(time.perf_counter() - t_start, 3)
+            write_json(tmp / "train_summary.json", metrics)
+        remove_checkpoint(work)
+    backend.barrier()
+    return metrics
+
+
+def save_model(model, tok, out_dir: Path, cfg: PolicyConfig, init_dtype, backend) -> None:
+    """Save full weights (safetensors) or the LoRA adapter, plus tokenizer files."""
+    import torch
+
+    if cfg.lora:
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+    else:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.save_dtype)
+        if dtype is None:
+            dtype = init_dtype if isinstance(init_dtype, torch.dtype) else torch.float32
+        state = backend.full_state_dict(model)
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        model.config.dtype = dtype
+        model.config.save_pretrained(str(out_dir))
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))

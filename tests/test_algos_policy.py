@@ -1,0 +1,195 @@
+"""Policy losses of qevolve_cli.algos against plain reference loops and hand-computed cases."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qevolve_cli import algos
+
+torch.set_num_threads(1)
+
+
+def ref_bppo_loss(logp, old, adv, mask, w, eps_low, eps_high, ref=None, kl_coef=0.0):
+    """Plain python loop: -(1/N) sum_m w*min(eta A, clip(eta) A) + kl_coef (1/N) sum_m w*k3."""
+    tot, kl, n = 0.0, 0.0, 0
+    B, T = len(logp), len(logp[0])
+    for b in range(B):
+        for t in range(T):
+            if not mask[b][t]:
+                continue
+            n += 1
+            eta = math.exp(logp[b][t] - old[b][t])
+            a = adv[b][t]
+            c = min(max(eta, 1 - eps_low), 1 + eps_high)
+            tot += w[b][t] * min(eta * a, c * a)
+            if ref is not None:
+                r = ref[b][t] - logp[b][t]
+                kl += w[b][t] * (math.exp(r) - r - 1)
+    n = max(n, 1)
+    return -tot / n + kl_coef * kl / n
+
+
+def rand_case(seed=0, B=3, T=7):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 1.5
+    ref = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    thought = torch.rand(B, T, generator=g) > 0.5
+    return logp, old, ref, adv, mask, thought
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_bppo_loss_matches_reference_loop(seed):
+    logp, old, ref, adv, mask, thought = rand_case(seed)
+    w = algos.thought_token_weights(thought, 0.3).double()
+    loss, stats = algos.bppo_loss(logp, old, adv, mask, w, 0.8, 0.4, ref, kl_coef=0.1)
+    exp = ref_bppo_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), w.tolist(), 0.8, 0.4,
+                        ref.tolist(), 0.1)
+    assert float(loss) == pytest.approx(exp, rel=1e-10, abs=1e-12)
+    assert 0.0 <= stats["clip_frac"] <= 1.0
+
+
+def test_bppo_hand_computed():
+    # eta = e^{ln 1.5} = 1.5 > 1.4 with A = 2 -> clipped at 1.4*2 = 2.8
+    # eta = 0.1 < 0.2 with A = -1 -> clip(0.1) = 0.2 -> min(-0.1, -0.2) = -0.2
+    # eta = 1 with A = 3 -> 3
+    logp = torch.tensor([[math.log(1.5), math.log(0.1), 0.0]], dtype=torch.float64)
+    old = torch.zeros_like(logp)
+    adv = torch.tensor([[2.0, -1.0, 3.0]], dtype=torch.float64)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    obj, clipped = algos.bppo_surrogate(logp, old, adv, 0.8, 0.4)
+    assert obj.tolist()[0] == pytest.approx([2.8, -0.2, 3.0])
+    assert clipped.tolist() == [[True, True, False]]
+    loss, _ = algos.bppo_loss(logp, old, adv, mask)
+    assert float(loss) == pytest.approx(-(2.8 - 0.2 + 3.0) / 3)
+
+
+def _grad(logp_val, adv_val, eps_low=0.8, eps_high=0.4):
+    logp = torch.tensor([[logp_val]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros_like(logp)
+    loss, _ = algos.bppo_loss(logp, old, torch.tensor([[adv_val]], dtype=torch.float64),
+                              torch.ones(1, 1, dtype=torch.bool), None, eps_low, eps_high)
+    loss.backward()
+    return float(logp.grad)
+
+
+def test_clipping_inactive_at_ratio_one():
+    for a in (-2.0, -0.5, 0.7, 3.0):
+        # d(-eta*A)/dlogp = -eta*A = -A at eta=1
+        assert _grad(0.0, a) == pytest.approx(-a)
+
+
+def test_gradient_vanishes_outside_the_trust_region():
+    # A > 0: no gradient above 1 + eps_high, full gradient below it
+    assert _grad(math.log(1.41), 1.0) == 0.0
+    assert _grad(math.log(1.39), 1.0) == pytest.approx(-1.39)
+    assert _grad(math.log(0.1), 1.0) == pytest.approx(-0.1)  # A>0 and eta small: still pushed up
+    # A < 0: no gradient below 1 - eps_low, full gradient above it
+    assert _grad(math.log(0.19), -1.0) == 0.0
+    assert _grad(math.log(0.21), -1.0) == pytest.approx(0.21)
+    assert _grad(math.log(3.0), -1.0) == pytest.approx(3.0)  # A<0 and eta large: still pushed down
+    # asymmetric bounds are the configured ones
+    assert _grad(math.log(1.25), 1.0, eps_high=0.2) == 0.0
+
+
+def test_masked_positions_have_no_effect():
+    logp, old, ref, adv, mask, thought = rand_case(5)
+    w = algos.thought_token_weights(thought, 0.5).double()
+    base, _ = algos.bppo_loss(logp, old, adv, mask, w, 0.8, 0.4, ref, 0.2)
+    logp2, old2, adv2, ref2 = logp.clone(), old.clone(), adv.clone(), ref.clone()
+    m = ~mask
+    logp2[m], old2[m], adv2[m], ref2[m] = float("nan"), 50.0, float("inf"), -1e9
+    lp = logp2.clone().requires_grad_(True)
+    loss2, _ = algos.bppo_loss(lp, old2, adv2, mask, w, 0.8, 0.4, ref2, 0.2)
+    assert float(loss2.detach()) == pytest.approx(float(base), rel=1e-12)
+    loss2.backward()
+    assert torch.all(lp.grad[m] == 0)
+    assert torch.isfinite(lp.grad).all()
+    # same for BC and AWR
+    assert float(algos.token_nll(logp2, mask)) == pytest.approx(float(algos.token_nll(logp, mask)))
+    a1, _ = algos.awr_loss(logp, adv, mask)
+    a2, _ = algos.awr_loss(logp2, adv2, mask)
+    assert float(a1) == pytest.approx(float(a2))
+
+
+def test_thought_weighting_scales_exactly_those_tokens():
+    logp, old, ref, adv, mask, thought = rand_case(7)
+    lp1 = logp.clone().requires_grad_(True)
+    lp2 = logp.clone().requires_grad_(True)
+    l1, _ = algos.bppo_loss(lp1, old, adv, mask, algos.thought_token_weights(thought, 1.0).double())
+    l2, _ = algos.bppo_loss(lp2, old, adv, mask, algos.thought_token_weights(thought, 0.25).double())
+    l1.backward()
+    l2.backward()
+    th = thought & mask
+    act = ~thought & mask
+    assert torch.allclose(lp2.grad[th], 0.25 * lp1.grad[th])
+    assert torch.allclose(lp2.grad[act], lp1.grad[act])
+    w = algos.thought_token_weights(torch.tensor([[True, False]]), 0.3)
+    assert w.tolist() == [[pytest.approx(0.3), 1.0]]
+
+
+def test_token_nll_hand_computed_and_weighted():
+    logp = torch.tensor([[-1.0, -2.0, -4.0], [-3.0, -5.0, -6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert float(algos.token_nll(logp, mask)) == pytest.approx((1 + 2 + 3) / 3)
+    w = torch.tensor([[0.5, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    assert float(algos.token_nll(logp, mask, w)) == pytest.approx((0.5 + 2 + 3) / 3)
+    assert float(algos.masked_mean(logp, torch.zeros_like(mask))) == 0.0
+
+
+def test_kl_estimators():
+    logp = torch.log(torch.tensor([[0.5, 0.2]]))
+    ref = torch.log(torch.tensor([[0.25, 0.2]]))
+    r = math.log(0.25 / 0.5)
+    k3 = algos.kl_estimate(logp, ref, "k3")
+    assert k3.tolist()[0] == pytest.approx([math.exp(r) - r - 1, 0.0])
+    assert algos.kl_estimate(logp, ref, "k1").tolist()[0] == pytest.approx([-r, 0.0])
+    assert algos.kl_estimate(logp, ref, "k2").tolist()[0] == pytest.approx([0.5 * r * r, 0.0])
+    # k3 is an unbiased estimate of KL(pi||ref) for tokens drawn from pi: check on a categorical
+    p = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    exact = float((p * (p / q).log()).sum())
+    est = float((p * algos.kl_estimate(p.log(), q.log(), "k3")).sum())
+    assert est == pytest.approx(exact, rel=1e-12)
+    with pytest.raises(ValueError):
+        algos.kl_estimate(logp, ref, "k9")
+
+
+def test_kl_term_pulls_towards_reference():
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0]])
+    loss, stats = algos.bppo_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1), None,
+                                  logp_ref=ref, kl_coef=1.0)
+    loss.backward()
+    assert stats["kl"] > 0
+    assert float(logp.grad) > 0  # gradient descent lowers logp towards the reference
+
+
+def test_awr_weights_and_loss():
+    adv = torch.tensor([[0.0, 1.0, 10.0, -2.0]])
+    w = algos.awr_weights(adv, beta=1.0, max_weight=20.0)
+    assert w.tolist()[0] == pytest.approx([1.0, math.e, 20.0, math.exp(-2)])
+    assert algos.awr_weights(torch.tensor([[1e6]]), 0.1, 5.0).item() == pytest.approx(5.0)
+    logp = torch.tensor([[-1.0, -2.0, -3.0, -4.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, _ = algos.awr_loss(logp, adv, mask, beta=1.0, max_weight=20.0)
+    assert float(loss) == pytest.approx((1.0 * 1 + math.e * 2 + 20.0 * 3) / 3)
+    loss.backward()
+    # AWR only ever raises the likelihood of data actions (all gradients <= 0), unlike BPPO
+    assert torch.all(logp.grad <= 0)
+
+
+def test_sequence_logprobs_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g)
+    ids = torch.randint(0, 11, (2, 5), generator=g)
+    lp = algos.sequence_logprobs(logits, ids)
+    ls = torch.log_softmax(logits, -1)
+    for b in range(2):
+        for j in range(4):
+            assert float(lp[b, j]) == pytest.approx(float(ls[b, j, ids[b, j + 1]]), abs=1e-5)
+        assert float(lp[b, 4]) == 0.0

@@ -1,0 +1,166 @@
+"""Policy training on the tiny real model: BPPO/AWR behaviour, BC, outputs, CLI and errors."""
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+import torch
+
+from qevolve_cli.envs.prompts import instruction_prompt
+from qevolve_cli.schema import write_table
+from qevolve_cli.transcript import build_messages
+from tests.conftest import run_qevolve
+
+torch.set_num_threads(1)
+
+GOOD = "Thought: I need oak logs to make planks.\nAction: get 1 oak log"
+BAD = "Thought: I will look around first.\nAction: inventory"
+
+
+def make_table(path, n_traj=6, steps=2, with_adv=True):
+    """Trajectories alternate good actions (A = +1, expert rows) and bad actions (A = -1, self rows)."""
+    rows = []
+    for k in range(n_traj):
+        good = k % 2 == 0
+        for t in range(steps):
+            r = dict(traj_id=f"tr{k}", env="textcraft", task_id=str(k), split="train",
+                     source="expert" if good else "self", iteration=0 if good else 1, step=t,
+                     instruction=f"craft {k + 1} oak planks", observation=f"Got {t} oak log",
+                     action=GOOD if good else BAD, command="get 1 oak log" if good else "inventory",
+                     next_observation=f"Got {t + 1} oak log", reward_env=1.0 if (good and t == steps - 1) else 0.0,
+                     done=t == steps - 1)
+            if with_adv:
+                r["advantage"] = 1.0 if good else -1.0
+            rows.append(r)
+    write_table(pl.DataFrame(rows), path)
+    return pl.DataFrame(rows)
+
+
+def action_logprobs(model_dir, df) -> dict[str, float]:
+    """Mean summed log-prob of the good / bad actions, computed independently: prompt via the chat
+    template with a generation prompt, then the action text + end-of-turn as the continuation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    res: dict[str, list[float]] = {"good": [], "bad": []}
+    for (tid,), g in df.sort("step").group_by("traj_id", maintain_order=True):
+        obs, acts = g["observation"].to_list(), g["action"].to_list()
+        for t in range(g.height):
+            msgs = build_messages(instruction_prompt("textcraft"), g["instruction"][0], obs[: t + 1], acts[:t])
+            prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            c_ids = tok(acts[t] + tok.eos_token, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([p_ids + c_ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            tgt = ids[0, 1:]
+            s = lp[torch.arange(len(tgt)), tgt][len(p_ids) - 1 :].sum()
+            res["good" if acts[t] == GOOD else "bad"].append(float(s))
+    return {k: sum(v) / len(v) for k, v in res.items()}
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    p = tmp_path_factory.mktemp("pol") / "hybrid.parquet"
+    make_table(p)
+    return p
+
+
+@pytest.fixture(scope="module")
+def trained(table, tiny_model_dir, tmp_path_factory):
+    from qevolve_cli.policy import PolicyConfig, train_policy
+
+    out = tmp_path_factory.mktemp("runs")
+    res = {}
+    for obj in ("bppo", "awr"):
+        cfg = PolicyConfig(objective=obj, lr=2e-3, epochs=4, micro_batch_size=2, warmup_ratio=0.0,
+                           thought_weight=0.5, kl_coef=0.01, old_refresh_steps=4, seed=0)
+        res[obj] = (train_policy(cfg, table, tiny_model_dir, out / obj, quiet=True), out / obj)
+    return res
+
+
+def test_bppo_raises_positive_and_lowers_negative_actions(table, tiny_model_dir, trained):
+    df = pl.read_parquet(table)
+    before = action_logprobs(tiny_model_dir, df)
+    metrics, out = trained["bppo"]
+    after = action_logprobs(out, df)
+    assert after["good"] > before["good"] + 0.5, (before, after)
+    assert after["bad"] < before["bad"] - 0.5, (before, after)
+    # the trainer's own measurement agrees in sign
+    assert metrics["logp_delta_pos_adv"] > 0 > metrics["logp_delta_neg_adv"]
+    assert metrics["optimizer_steps"] == 4 * 3
+
+
+def test_awr_does_not_lower_negative_actions_as_much(table, tiny_model_dir, trained):
+    df = pl.read_parquet(table)
+    before = action_logprobs(tiny_model_dir, df)
+    bppo = action_logprobs(trained["bppo"][1], df)
+    awr = action_logprobs(trained["awr"][1], df)
+    assert awr["bad"] - before["bad"] > bppo["bad"] - before["bad"] + 0.5, (before, bppo, awr)
+    assert awr["good"] > before["good"]
+
+
+def test_output_directory_is_a_loadable_model_with_config_and_curves(trained):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qevolve_cli.policy.config import load_policy_config
+
+    metrics, out = trained["bppo"]
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    AutoModelForCausalLM.from_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    cfg = load_policy_config(out / "config.yaml")
+    assert cfg.objective == "bppo" and cfg.old_refresh_steps == 4
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    assert all({"loss", "lr", "pg_loss", "kl", "clip_frac"} <= set(r) for r in lines)
+    assert not list(out.parent.glob(".bppo.*"))  # no temp or work dirs left behind
+
+
+def test_cli_bc_lora_adapter_lowers_nll(table, tiny_model_dir, tmp_path):
+    out = tmp_path / "bc"
+    p = run_qevolve("policy", "--objective", "bc", "--data", table, "--model", tiny_model_dir, "--out", out,
+                    "--lora", "--lr", "1e-2", "--epochs", "6", "--set", "lora_r=4", "--set", "micro_batch_size=2",
+                    "--json", "--quiet", timeout=600)
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout.strip().splitlines()[-1])
+    assert m["trajectories"] == 3  # bc uses the expert rows only
+    # a random tiny base with a rank-4 adapter learns slowly; the NLL must still clearly fall
+    assert m["nll_after"] < m["nll_before"] - 0.2
+    assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
+    assert not (out / "model.safetensors").exists()
+    from qevolve_cli.policy.config import load_policy_config
+
+    cfg = load_policy_config(out / "config.yaml")  # the resolved config: flags and --set both applied
+    assert (cfg.lora, cfg.lora_r, cfg.micro_batch_size, cfg.lr, cfg.epochs) == (True, 4, 2, 1e-2, 6)
+    from peft import AutoPeftModelForCausalLM
+
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(out)
+    lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b)  # the trained adapter was saved
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--objective", "bppo"], "column 'advantage': missing column"),
+        (["--objective", "nope"], "--objective: unknown value 'nope'"),
+        (["--objective", "bc", "--model-missing"], "no such model directory"),
+        (["--objective", "bc", "--set", "eps_high=-1"], "field 'eps_high': must be >= 0"),
+    ],
+)
+def test_cli_bad_inputs_give_one_line_errors(args, needle, tiny_model_dir, tmp_path):
+    data = tmp_path / "noadv.parquet"
+    make_table(data, n_traj=2, with_adv=False)
+    model = tiny_model_dir
+    if "--model-missing" in args:
+        args = [a for a in args if a != "--model-missing"]
+        model = tmp_path / "does-not-exist"
+    out = tmp_path / "out"
+    p = run_qevolve("policy", *args, "--data", data, "--model", model, "--out", out, "--quiet", timeout=300)
+    assert p.returncode == 2, p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], p.stderr
+    assert not out.exists()

@@ -1,0 +1,122 @@
+"""The shared training loop: schedule, dynamic batching, accumulation, logging, checkpoint/resume."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from qevolve_cli.training import Hooks, TrainArgs, group_steps, lr_lambda, token_budget_batches, train_loop
+
+torch.set_num_threads(1)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    total, warm = 10, 2
+    vals = [lr_lambda(s, total, warm) for s in range(total)]
+    assert vals[:2] == [0.5, 1.0]
+    assert vals[2] == pytest.approx(1.0)
+    for s in range(2, total):
+        assert vals[s] == pytest.approx(0.5 * (1 + math.cos(math.pi * (s - 2) / 8)))
+    assert all(a >= b for a, b in zip(vals[1:], vals[2:]))
+    assert lr_lambda(7, 10, 0, "constant") == 1.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_token_budget_batches_partition_and_budget(seed):
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(57)]
+    batches = token_budget_batches(lengths, max_tokens=600, max_seqs=5, seed=seed)
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(57))  # every item exactly once
+    for b in batches:
+        assert len(b) <= 5
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 600
+    assert token_budget_batches(lengths, 600, 5, seed=seed) == batches  # deterministic
+    assert group_steps(batches, 4)[0] == batches[:4]
+
+
+def _data(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1
+    return x, y
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def _loss_fn(x, y, fail_at_epoch=None):
+    def fn(model, idx, ctx):
+        if fail_at_epoch is not None and ctx["epoch"] == fail_at_epoch:
+            raise KeyboardInterrupt
+        pred = model(x[idx]).squeeze(-1)
+        return ((pred - y[idx]) ** 2).mean(), {"mse": 0.0}
+    return fn
+
+
+def _args(tmp_path, **kw):
+    base = dict(epochs=3, lr=0.5, warmup_ratio=0.1, max_grad_norm=0.0, seed=3, device="cpu", quiet=True,
+                log_path=tmp_path / "log.jsonl", ckpt_dir=tmp_path / "ckpt")
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    x, y = _data()
+    # one optimiser step over all 12 items vs the same step split into micro-batches of 5, 4, 3
+    m1, m2 = _model(), _model()
+    train_loop(m1, lambda e: [[list(range(12))]], _loss_fn(x, y), _args(tmp_path / "a", epochs=1, warmup_ratio=0))
+    train_loop(m2, lambda e: [[list(range(5)), list(range(5, 9)), list(range(9, 12))]], _loss_fn(x, y),
+               _args(tmp_path / "b", epochs=1, warmup_ratio=0), micro_weight=len)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert torch.allclose(p1, p2, atol=1e-6)
+
+
+def steps_for(n=12):
+    def make(epoch):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+        return group_steps([order[i : i + 3] for i in range(0, n, 3)], 2)
+    return make
+
+
+def test_interrupted_run_resumes_after_last_finished_epoch(tmp_path):
+    x, y = _data()
+    ref = _model()
+    r_ref = train_loop(ref, steps_for(), _loss_fn(x, y), _args(tmp_path / "ref"))
+    assert r_ref.steps == 6 and r_ref.history[-1]["loss"] < r_ref.history[0]["loss"]
+
+    extra_saved = {}
+    hooks = Hooks(extra_state=lambda: {"old": torch.arange(3.0)}, load_extra_state=extra_saved.update)
+    m = _model()
+    with pytest.raises(KeyboardInterrupt):
+        train_loop(m, steps_for(), _loss_fn(x, y, fail_at_epoch=2), _args(tmp_path / "run"), hooks=hooks)
+    assert (tmp_path / "run" / "ckpt" / "meta.json").exists()
+    m = _model()  # a fresh process would rebuild the initial model
+    r = train_loop(m, steps_for(), _loss_fn(x, y), _args(tmp_path / "run"), hooks=hooks)
+    assert r.resumed_from_epoch == 2 and r.steps == 6
+    assert torch.equal(extra_saved["old"], torch.arange(3.0))
+    for p1, p2 in zip(ref.parameters(), m.parameters()):
+        assert torch.allclose(p1, p2, atol=1e-7)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]  # no duplicated or missing curve points
+    ref_log = [json.loads(x) for x in (tmp_path / "ref" / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in log] == pytest.approx([r["loss"] for r in ref_log])
+
+
+def test_grad_clipping_and_no_trainable_params(tmp_path):
+    from qevolve_cli.errors import QevolveError
+
+    x, y = _data()
+    m = _model()
+    r = train_loop(m, lambda e: [[list(range(12))]], _loss_fn(x * 100, y * 100),
+                   _args(tmp_path, epochs=1, max_grad_norm=1.0, warmup_ratio=0, ckpt_dir=None))
+    assert r.history[0]["grad_norm"] > 1.0  # the norm before clipping is reported
+    frozen = _model().requires_grad_(False)
+    with pytest.raises(QevolveError, match="no trainable parameters"):
+        train_loop(frozen, lambda e: [[[0]]], _loss_fn(x, y), _args(tmp_path, ckpt_dir=None))

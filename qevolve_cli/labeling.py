@@ -131,24 +131,38 @@ def label_frame(
     return df, timings
 
 
-def with_advantage(df: pl.DataFrame, offs, cfg: LabelConfig, source: Any = None) -> pl.DataFrame:
-    for c in ("value", "next_value"):
+def process_rewards(df: pl.DataFrame, kind: str = "gae", gamma: float = 0.95, lam: float = 0.95,
+                    offs=None, source: Any = None) -> pl.Series:
+    """The ``advantage`` of every step for one process-reward choice (paper table "process reward").
+
+    ``gae``: GAE over r_env (the paper); ``gae_aux``: GAE over r_env + r_aux; ``td``:
+    r_env + gamma (1 - d) V' - V (= GAE with lambda = 0); ``q_minus_v``: Q - V (needs
+    ``q_value`` from the critic). Trajectories must be contiguous and in step order
+    (``schema.sort_steps``); V after a terminal step is 0.
+    """
+    if kind not in ADVANTAGES:
+        raise QevolveError(f"process reward: unknown kind {kind!r} (choose from {', '.join(ADVANTAGES)})")
+    for c in ("value", "next_value") + (("q_value",) if kind == "q_minus_v" else ()):
+        if c not in df.columns:
+            raise TableError(source, c, f"missing column: advantage={kind} needs critic values")
         n = df[c].null_count()
         if n:
             raise TableError(source, c, f"{n} null values: cannot compute advantages")
-    # V(terminal) = 0: the next value after a terminal step never bootstraps.
-    df = df.with_columns(
-        pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value")).cast(pl.Float32).alias("next_value")
+    if kind == "q_minus_v":
+        return (df["q_value"] - df["value"]).cast(pl.Float32).alias("advantage")
+    offs = core.offsets(df) if offs is None else offs
+    next_value = df.select(pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value")).cast(pl.Float32)).to_series()
+    aux = df["reward_aux"] if kind == "gae_aux" else None
+    return core.gae(offs, df["reward_env"], df["value"], next_value, df["done"], gamma,
+                    0.0 if kind == "td" else lam, aux)
+
+
+def with_advantage(df: pl.DataFrame, offs, cfg: LabelConfig, source: Any = None) -> pl.DataFrame:
+    """Set ``next_value`` to 0 after terminal steps (V(terminal) = 0) and add ``advantage``."""
+    adv = process_rewards(df, cfg.advantage, cfg.gamma, cfg.lam, offs=offs, source=source)
+    return df.with_columns(
+        pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value")).cast(pl.Float32).alias("next_value"), adv
     )
-    if cfg.advantage in ("gae", "gae_aux", "td"):
-        lam = 0.0 if cfg.advantage == "td" else cfg.lam
-        aux = df["reward_aux"] if cfg.advantage == "gae_aux" else None
-        adv = core.gae(offs, df["reward_env"], df["value"], df["next_value"], df["done"], cfg.gamma, lam, aux)
-    else:  # q_minus_v
-        if "q_value" not in df.columns:
-            raise TableError(source, "q_value", "missing column: advantage=q_minus_v needs critic Q values")
-        adv = (df["q_value"] - df["value"]).cast(pl.Float32).alias("advantage")
-    return df.with_columns(adv)
 
 
 def label_tables(

@@ -142,13 +142,15 @@ def resolve_precision(precision: str, device: str) -> str:
 
 
 def lr_lambda(step: int, total: int, warmup: int, kind: str = "cosine", min_ratio: float = 0.0) -> float:
-    """LR multiplier at optimiser step ``step`` (0-based) of ``total``: linear warm-up then cosine/constant."""
+    """LR multiplier at optimiser step ``step`` (0-based) of ``total``: linear warm-up then cosine/linear/constant."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if kind == "constant":
         return 1.0
     span = max(1, total - warmup)
     progress = min(1.0, (step - warmup) / span)
+    if kind == "linear":
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

@@ -19,7 +19,7 @@ import typer
 
 from qevolve_cli.errors import QevolveError
 
-ENVS = ("textcraft", "sciworld", "alfworld", "webshop")
+ENVS = ("textcraft", "sciworld", "alfworld", "webshop", "lamps")  # lamps: built-in CPU env
 SPLITS = ("train", "test_seen", "test_unseen", "test")
 
 EnvOpt = Annotated[str, typer.Option("--env", help=f"Environment: {', '.join(ENVS)}.")]

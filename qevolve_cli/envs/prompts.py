@@ -83,9 +83,28 @@ Action: <your next action>"""
 
 PROMPTS = {"alfworld": ALFWORLD, "sciworld": SCIWORLD, "webshop": WEBSHOP, "textcraft": TEXTCRAFT}
 
+# Built-in environments (qevolve_cli/envs/builtin.py), same pattern. Kept out of PROMPTS on purpose:
+# PROMPTS is part of the tiny model's tokenizer corpus (models/tiny.py), which must not change.
+LAMPS = """You are in a house of eight rooms along a corridor from west to east, each with one lamp. Your task names the rooms whose lamps you must turn on, in order.
+For each of your turns, you will be given the observation from the last turn. Think about what is done and what is left, then output your action.
+
+The available actions are:
+1. go east
+2. go west
+3. turn on lamp
+4. turn off lamp
+5. look
+If the environment outputs "Nothing happens", that means the previous action is invalid.
+
+Your response should use the following format:
+Thought: <your thoughts>
+Action: <your next action>"""
+
+BUILTIN_PROMPTS = {"lamps": LAMPS}
+
 
 def instruction_prompt(env: str) -> str:
     try:
-        return PROMPTS[env]
+        return PROMPTS[env] if env in PROMPTS else BUILTIN_PROMPTS[env]
     except KeyError:
-        raise KeyError(f"unknown environment {env!r} (known: {', '.join(sorted(PROMPTS))})") from None
+        raise KeyError(f"unknown environment {env!r} (known: {', '.join(sorted({**PROMPTS, **BUILTIN_PROMPTS}))})") from None

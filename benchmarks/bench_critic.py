@@ -1,0 +1,123 @@
+"""Critic training throughput: one forward per trajectory (qevolve) vs one forward per step (naive).
+
+Tiny offline model on CPU, trajectories of exactly 14 steps (SciWorld-like
+synthetic text, real tokenizer and chat template, real PEFT adapters). Both
+layouts run the same alternating Q / V updates over the same steps; the naive
+baseline forwards every step's own prefix (cut at its next-state end) as a
+separate sequence, the qevolve layout forwards each trajectory once per adapter
+and gathers every step's pooled states from it. Prints one JSON object:
+transitions learned per second and backbone forward passes (sequences) per
+epoch for each layout, and the speed-up (target >= 5x).
+
+    python benchmarks/bench_critic.py            # 16 trajectories x 14 steps
+    python benchmarks/bench_critic.py --quick    # 6 trajectories
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def fixed_length_table(n_traj: int, steps: int, seed: int = 0):
+    import polars as pl
+
+    from qevolve_cli import core, schema
+    from qevolve_cli.synthetic import synthetic_table
+
+    df = schema.sort_steps(synthetic_table(n_traj * 4, mean_steps=steps + 6, obs_words=30, env="sciworld", seed=seed))
+    long = df.group_by("traj_id").len().filter(pl.col("len") >= steps)["traj_id"].to_list()[:n_traj]
+    if len(long) < n_traj:
+        raise SystemExit("not enough long synthetic trajectories")
+    df = df.filter(pl.col("traj_id").is_in(long) & (pl.col("step") < steps))
+    df = schema.sort_steps(df).with_columns((pl.col("step") == steps - 1).alias("done"))
+    offs = core.offsets(df)
+    succ = core.trajectory_success(offs, df["reward_env"])
+    return df.with_columns(pl.lit(0.0, pl.Float32).alias("reward_aux"), pl.lit("none").alias("aux_kind"),
+                           core.broadcast(offs, succ, "success"), core.step_weights(offs, succ, df.height))
+
+
+def run_layout(model_dir: Path, df, per_step: bool, batch_size: int, epochs: int) -> dict:
+    import torch
+
+    from qevolve_cli.critic.config import CriticConfig
+    from qevolve_cli.critic.data import attach_targets, build_items
+    from qevolve_cli.critic.model import CriticModel
+    from qevolve_cli.critic.trainer import CriticTrainer, load_tokenizer, pad_id_of
+
+    cfg = CriticConfig(epochs=epochs, lr=1e-4, batch_size=batch_size, lora_rank=8, head_hidden=64, device="cpu",
+                       checkpoint=False, warmup_ratio=0.0)
+    tok = load_tokenizer(model_dir)
+    items = build_items(df, tok)
+    attach_targets(items, df, cfg)
+    torch.manual_seed(0)
+    critic = CriticModel.create(model_dir, cfg)
+    tr = CriticTrainer(critic, cfg, items, pad_id_of(tok), per_step=per_step)
+    tr.run_epoch(10_000)  # warm-up epoch (allocator, kernels), not timed
+    t0 = time.perf_counter()
+    ms = [tr.run_epoch(e) for e in range(epochs)]
+    secs = time.perf_counter() - t0
+    transitions = sum(m["transitions"] for m in ms)
+    return {
+        "layout": "per_step" if per_step else "per_trajectory",
+        "seconds": round(secs, 3),
+        "transitions": transitions,
+        "transitions_per_s": round(transitions / secs, 2),
+        "forward_passes_per_epoch": ms[-1]["forward_rows"],
+        "forward_calls_per_epoch": ms[-1]["forward_calls"],
+        "tokens_per_traj": round(sum(len(it.input_ids) for it in items) / len(items), 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 trajectories instead of 16")
+    ap.add_argument("--trajectories", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on shared machines)")
+    ap.add_argument("--model", type=Path, default=None, help="existing model directory (default: build the tiny one)")
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    n = a.trajectories or (6 if a.quick else 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = a.model
+        if model is None:
+            from qevolve_cli.models.tiny import create_tiny_model
+
+            model = create_tiny_model(Path(tmp) / "tiny", arch="llama", size="tiny", seed=0)
+        df = fixed_length_table(n, a.steps)
+        fast = run_layout(model, df, False, a.batch_size, a.epochs)
+        naive = run_layout(model, df, True, a.batch_size, a.epochs)
+    speedup = fast["transitions_per_s"] / naive["transitions_per_s"]
+    print(json.dumps({
+        "benchmark": "critic",
+        "device": "cpu",
+        "model": "tiny llama (hidden 64, 2 layers)" if a.model is None else str(a.model),
+        "trajectories": n,
+        "steps_per_trajectory": a.steps,
+        "batch_size": a.batch_size,
+        "epochs": a.epochs,
+        "threads": a.threads,
+        "per_trajectory": fast,
+        "per_step_baseline": naive,
+        "speedup": round(speedup, 2),
+        "forward_pass_ratio": round(naive["forward_passes_per_epoch"] / fast["forward_passes_per_epoch"], 2),
+        "target_speedup": 5.0,
+        "meets_target": speedup >= 5.0,
+    }))
+
+
+if __name__ == "__main__":
+    main()

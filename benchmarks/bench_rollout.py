@@ -1,0 +1,119 @@
+"""Rollout throughput: environment steps per second with the tiny model, one episode at a time
+(the way ETO evaluates) vs batched play over the worker pool with 2 and 4 workers.
+
+Prints one JSON object. For each environment (TextCraft, ScienceWorld) and mode it reports the
+agent turns played, wall seconds (resets included), steps/s, and the share of the wall time spent in
+generation vs the environment (reset + step). The baseline (``sequential``: 1 worker, 1 live
+episode) is measured in the same run, with the same tasks, seed and model, and every mode plays the
+same trajectories (per-step seeds), so ``speedup`` compares equal work. Target (issue 5): batched
+>= 3x sequential on 2 cores for ScienceWorld.
+
+Worker start-up (processes, ScienceWorld's JVMs and their JIT warm-up) is paid once per rollout of
+thousands of episodes, so each mode first warms its pool (``startup_s``, reported, not in
+``wall_s``) and then plays the measured tasks on the warm pool.
+
+The model is the tiny model (``create_tiny_model``) taught the ReAct format for a few seconds
+(``rollout.warm.react_tune``), so turns reach the environment. Model loading and the tuning are not
+timed.
+
+    python benchmarks/bench_rollout.py            # 16 tasks x 6 steps per env (a few minutes on 2 cores)
+    python benchmarks/bench_rollout.py --quick    # 8 tasks x 4 steps
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def warm(pool, tasks) -> None:
+    """Start every slot's environment (worker process, JVM) and play two turns in each."""
+    keys = [("warm", i) for i in range(pool.capacity)]
+    pool.reset_many([(k, tasks[i % len(tasks)]) for i, k in enumerate(keys)])
+    for _ in range(2):
+        pool.act_many([(k, "Thought: look.\nAction: look around") for k in keys])
+    pool.release(keys)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller size (8 tasks x 4 steps)")
+    ap.add_argument("--envs", default="textcraft,sciworld")
+    ap.add_argument("--tasks", type=int, default=None)
+    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--envs-per-worker", type=int, default=1,
+                    help="live episodes per worker in the batched modes (each ScienceWorld env is one JVM: "
+                         "more JVMs than cores slows every step down)")
+    args = ap.parse_args()
+    n_tasks = args.tasks or (8 if args.quick else 16)
+    max_steps = args.max_steps or (4 if args.quick else 6)
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    from qevolve_cli.envs.pool import EnvPool
+    from qevolve_cli.envs.splits import list_tasks
+    from qevolve_cli.models.tiny import create_tiny_model
+    from qevolve_cli.rollout.backends import HFBackend
+    from qevolve_cli.rollout.config import RolloutConfig
+    from qevolve_cli.rollout.loop import run_rollout
+    from qevolve_cli.rollout.warm import react_tune
+
+    envs = [e for e in args.envs.split(",") if e]
+    epw = args.envs_per_worker
+    modes = [("sequential", 1, 1), ("batched_2w", 2, epw), ("batched_4w", 4, epw)]
+    result: dict = {"benchmark": "rollout", "cpu_count": os.cpu_count(), "tasks": n_tasks, "max_steps": max_steps,
+                    "max_new_tokens": 32, "model": "tiny llama (react-tuned)", "envs": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as td:
+        td = Path(td)
+        create_tiny_model(td / "tiny")
+        react_tune(td / "tiny", td / "react", envs)
+        backend = HFBackend(td / "react", max_new_tokens=32)
+        for env in envs:
+            all_tasks = list_tasks(env, "train", limit=None)[::7]  # spread over task types
+            warm_tasks, tasks = all_tasks[:8], all_tasks[8 : 8 + n_tasks]
+            res_env: dict = {}
+            tables = {}
+            for name, workers, epw in modes:
+                cfg = RolloutConfig(env=env, split="train", n_per_task=1, max_steps=max_steps, workers=workers,
+                                    envs_per_worker=epw, max_new_tokens=32, temperature=1.0, seed=0)
+                with EnvPool(env, workers=workers, envs_per_worker=epw, timeout_s=300) as pool:
+                    t0 = time.perf_counter()
+                    warm(pool, warm_tasks)  # start workers + JVMs once, as a long rollout would
+                    warm_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    r = run_rollout(cfg, td / "react", td / f"{env}_{name}.parquet", backend=backend, tasks=tasks,
+                                    pool=pool)
+                    wall = time.perf_counter() - t0
+                st = r.stats
+                tables[name] = r.table.sort(["traj_id", "step"])["action"].to_list()
+                res_env[name] = {
+                    "workers": workers, "live_episodes": workers * epw, "steps": st.steps,
+                    "episodes": st.done, "wall_s": round(wall, 3), "steps_per_s": round(st.steps / wall, 3),
+                    "gen_share": round(st.gen_s / wall, 3),
+                    "env_share": round((st.env_s + st.reset_s) / wall, 3),
+                    "reset_s": round(st.reset_s, 3), "step_s": round(st.env_s, 3), "gen_s": round(st.gen_s, 3),
+                    "rounds": st.rounds, "startup_s": round(warm_s, 3),
+                }
+            base = res_env["sequential"]["steps_per_s"]
+            for name, *_ in modes[1:]:
+                res_env[name]["speedup"] = round(res_env[name]["steps_per_s"] / base, 2) if base else None
+                res_env[name]["same_trajectories"] = tables[name] == tables["sequential"]
+            res_env["best_speedup"] = max(res_env[n]["speedup"] or 0 for n, *_ in modes[1:])
+            result["envs"][env] = res_env
+        backend.close()
+    if "sciworld" in result["envs"]:
+        result["target_sciworld_3x_met"] = result["envs"]["sciworld"]["best_speedup"] >= 3.0
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

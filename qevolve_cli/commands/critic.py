@@ -1,0 +1,104 @@
+"""``qevolve critic``: train the weighted IQL critic on a labelled table."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, progress, run_command
+
+HELP = """Train the weighted IQL critic (SPEC §1.4) on a labelled table.
+
+\b
+One frozen backbone (--model) with three LoRA adapters on the same model object:
+value, q and the delayed q_target (EMA, lambda 0.005 every 2 updates), MLP heads
+g_v, g_q1, g_q2 on the last-token hidden states at pos_s / pos_sa / pos_next.
+L_Q = sum_t w_t [(Q1 - y)^2 + (Q2 - y)^2], y = r_env + r_aux + gamma (1 - d) V(s');
+L_V = sum_t w_t L2^m(min(Qbar1, Qbar2) - V(s)); Q and V updates alternate.
+One forward per adapter per trajectory gives every step's pooled states.
+The table needs the columns of `qevolve label` (reward_aux, weight); positions are
+taken from it when present, else computed with --model's tokenizer and chat template.
+\b
+Writes OUT atomically: adapters/{value,q,q_target} (PEFT), heads.safetensors,
+critic.json, config.yaml (resolved), metrics.jsonl (losses, mean V / Q, TD error per
+epoch), summary.json and the tokenizer. An interrupted run resumes from
+OUT.partial/ (one checkpoint per epoch) when started again with the same arguments.
+\b
+Examples:
+  qevolve critic --data labeled.parquet --model runs/bc/policy --out runs/it1/critic
+  qevolve critic --data labeled.parquet --model tiny/ --out critic/ --preset cpu --json
+  qevolve critic --data labeled.parquet --model bc/ --out c2/ --preset iter2 --steps-per-traj 4
+  qevolve critic --data labeled.parquet --model bc/ --out c/ --set weighted=false   # ablation w/o W-IQL
+  qevolve label labeled.parquet --critic runs/it1/critic --out advantages.parquet
+"""
+
+
+def _parse_sets(sets: list[str] | None) -> dict:
+    import yaml
+
+    from qevolve_cli.errors import ConfigError
+
+    out = {}
+    for s in sets or []:
+        if "=" not in s:
+            raise ConfigError("--set", s, "expected KEY=VALUE")
+        k, v = s.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("critic", help=HELP)
+    def critic(
+        data: Annotated[Path, typer.Option("--data", help="Labelled trajectory table (qevolve label).")],
+        model: Annotated[Path, typer.Option("--model", help="Base model directory: the frozen backbone and its tokenizer.")],
+        out: Annotated[Path, typer.Option("--out", "-o", help="Output critic directory (written atomically).")],
+        config: ConfigOpt = None,
+        preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file "
+                                                   "(default file configs/critic.yaml).")] = None,
+        sets: Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE "
+                                                       "(repeatable).")] = None,
+        epochs: Annotated[int | None, typer.Option("--epochs", help="Override epochs.")] = None,
+        lr: Annotated[float | None, typer.Option("--lr", help="Override the learning rate.")] = None,
+        steps_per_traj: Annotated[int | None, typer.Option("--steps-per-traj", help="Steps K sampled per "
+                                                           "trajectory per update (0: all).")] = None,
+        batch_size: Annotated[int | None, typer.Option("--batch-size", help="Trajectories per batch.")] = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Random seed.")] = None,
+        resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Resume from OUT.partial/ if present.")] = True,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        def body():
+            from qevolve_cli.critic.config import load_critic_config
+
+            flags = {"epochs": epochs, "lr": lr, "steps_per_traj": steps_per_traj, "batch_size": batch_size,
+                     "seed": seed}
+            overrides = {**_parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
+            cfg = load_critic_config(config, preset, overrides)
+            from qevolve_cli.critic.trainer import train_critic
+
+            with progress(quiet) as bar:
+                task = None
+
+                def factory(total: int):
+                    nonlocal task
+                    task = bar.add_task("critic", total=total, info="")
+
+                    def cb(advance: int, info: str) -> None:
+                        bar.update(task, advance=advance, info=info)
+
+                    return cb
+
+                summary = train_critic(cfg, data, model, out, progress=factory, resume=resume)
+            if json_out:
+                emit_json(summary)
+            else:
+                f = summary["final"] or {}
+                typer.echo(
+                    f"critic: {summary['trajectories']} trajectories, {summary['steps']} steps, {cfg.epochs} epochs; "
+                    f"last epoch loss_q {f.get('loss_q')}, loss_v {f.get('loss_v')}, mean V {f.get('mean_v')}, "
+                    f"TD error {f.get('td_error')}; wrote {out}"
+                )
+
+        run_command(body)

@@ -1,0 +1,105 @@
+"""`qevolve eval`: greedy evaluation of a policy on a split; average reward and success rate."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from qevolve_cli.commands.common import ConfigOpt, EnvOpt, JsonOpt, QuietOpt, emit_json, run_command
+from qevolve_cli.commands.rollout import (
+    AdapterOpt,
+    BackendOpt,
+    BaseUrlOpt,
+    PolicyOpt,
+    ProgressView,
+    resolve_config,
+    sigterm_as_interrupt,
+)
+
+HELP = """Evaluate a policy on a split: one greedy trajectory per task.
+
+\b
+Prints a table of the average reward (the paper's metric: mean final score in
+[0, 1], shown x100) and the success rate (share of tasks completed, final
+reward = 1), overall and per task type, naming the env and split. The
+trajectories are written to --out (default eval_<env>_<split>.parquet) and the
+metrics to OUT.metrics.json. --critic DIR --candidates N reranks N sampled
+candidates per step by the critic's Q - V (test-time best-of-N).
+
+\b
+Examples:
+  qevolve eval --env sciworld --policy runs/it1/policy --split test_seen
+  qevolve eval --env textcraft --policy runs/bc/policy --split test_unseen --max-tasks 20 --json
+  qevolve eval --env alfworld --policy base --adapter runs/it2/policy --split test_unseen --backend vllm
+  qevolve eval --env sciworld --policy runs/it1/policy --split test_seen --critic runs/it1/critic --candidates 5
+"""
+
+
+def render_table(m: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"{m['env']} / {m['split']} — {m['n']} tasks" + (f", critic best-of-{m['candidates']}" if m.get("critic") else "")
+    tab = Table(title=title)
+    for col in ("task type", "n", "avg reward (x100)", "success %", "avg steps", "failed"):
+        tab.add_column(col, justify="left" if col == "task type" else "right")
+
+    def row(name: str, d: dict[str, Any], style: str | None = None) -> None:
+        tab.add_row(name, str(d["n"]), f"{100 * d['avg_reward']:.1f}", f"{100 * d['success_rate']:.1f}",
+                    f"{d['avg_steps']:.1f}", str(d["failed"]), style=style)
+
+    by = m.get("by_task_type", {})
+    if len(by) > 1 or (by and next(iter(by)) != "all"):
+        for name, d in by.items():
+            row(name, d)
+    row("overall", m, style="bold")
+    Console().print(tab)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval", help=HELP)
+    def eval_cmd(
+        env: EnvOpt,
+        policy: PolicyOpt,
+        split: Annotated[str, typer.Option("--split", help="Evaluation split: test_seen, test_unseen, test (WebShop), train.")],
+        adapter: AdapterOpt = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Trajectory table (default eval_<env>_<split>.parquet).")] = None,
+        max_tasks: Annotated[int | None, typer.Option("--max-tasks", help="Only the first N tasks of the split.")] = None,
+        temperature: Annotated[float | None, typer.Option("--temperature", help="Decoding temperature (default 0 = greedy).")] = None,
+        workers: Annotated[int | None, typer.Option("--workers", "-w", help="Environment worker processes.")] = None,
+        envs_per_worker: Annotated[int | None, typer.Option("--envs-per-worker", help="Live episodes per worker.")] = None,
+        backend: BackendOpt = None,
+        base_url: BaseUrlOpt = None,
+        critic: Annotated[Path | None, typer.Option("--critic", help="Critic directory: rerank candidates by Q - V.")] = None,
+        candidates: Annotated[int | None, typer.Option("--candidates", help="Candidates per step with --critic.")] = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Random seed.")] = None,
+        max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens generated per turn.")] = None,
+        max_steps: Annotated[int | None, typer.Option("--max-steps", help="Turns per episode (0 = the env's limit).")] = None,
+        iteration: Annotated[int | None, typer.Option("--iteration", help="Iteration recorded in the table.")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted evaluation.")] = False,
+        config: ConfigOpt = None,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        def body() -> None:
+            from qevolve_cli.atomic import write_json
+            from qevolve_cli.rollout.evaluate import run_eval
+
+            cfg = resolve_config(config, {
+                "env": env, "split": split, "max_tasks": max_tasks, "eval_temperature": temperature,
+                "workers": workers, "envs_per_worker": envs_per_worker, "backend": backend, "base_url": base_url,
+                "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
+                "candidates": candidates,
+            })
+            dest = out or Path(f"eval_{cfg.env}_{cfg.split}.parquet")
+            sigterm_as_interrupt()
+            with ProgressView(f"eval {cfg.env}/{cfg.split}", quiet) as view:
+                m = run_eval(cfg, policy, dest, adapter=adapter, critic=critic, resume=resume, on_progress=view)
+            write_json(dest.with_name(dest.name + ".metrics.json"), m)
+            if json_out:
+                emit_json(m)
+            else:
+                render_table(m)
+
+        run_command(body)

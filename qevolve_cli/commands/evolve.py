@@ -1,0 +1,64 @@
+"""`qevolve evolve`: the whole Q-Evolve loop into a resumable run directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, run_command
+
+HELP = """Run Q-Evolve end to end: BC warm-up on expert data, then per iteration rollout -> label ->
+critic -> label --critic -> policy (bppo) -> eval, into RUN_DIR (resumable).
+
+\b
+Presets: configs/presets/<env>.yaml holds the paper's hyper-parameters per environment and
+iteration; --preset smoke|cpu scales it down to 2 CPU cores with a tiny offline model.
+The equivalent shell commands are printed and saved as RUN_DIR/plan.sh.
+
+\b
+Examples:
+  qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
+  qevolve evolve --env sciworld --iters 2 --preset smoke --run-dir runs/sw-smoke
+  qevolve evolve --env alfworld --iters 2 --model /models/Llama-3-8B-Instruct --run-dir runs/alf
+  qevolve evolve --env sciworld --iters 2 --model M --run-dir runs/sw --resume   # after Ctrl-C / a crash
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("evolve", help=HELP)
+    def evolve(
+        env: Annotated[str, typer.Option("--env", help="textcraft, sciworld, alfworld or webshop.")],
+        iters: Annotated[int | None, typer.Option("--iters", help="Evolving iterations K.")] = None,
+        model: Annotated[str | None, typer.Option("--model", help="Base model directory (HF checkpoint).")] = None,
+        policy: Annotated[str | None, typer.Option("--policy", help="Start from this policy (skip BC).")] = None,
+        expert: Annotated[str | None, typer.Option("--expert", help="Existing expert table (skip collection).")] = None,
+        preset: Annotated[str, typer.Option("--preset", help="paper (default), smoke or cpu.")] = "paper",
+        run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<env>-<preset>).")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run (a finished run is a no-op).")] = False,
+        config: ConfigOpt = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Seed of every stage.")] = None,
+        log_to: Annotated[str | None, typer.Option("--log-to", help="Also log metrics to: tensorboard, wandb (comma list).")] = None,
+        quiet: QuietOpt = False,
+        json_out: JsonOpt = False,
+    ) -> None:
+        def body() -> None:
+            from qevolve_cli.evolve.config import resolve
+            from qevolve_cli.evolve.loop import run_evolve
+            from qevolve_cli.evolve.report import print_table
+
+            overrides = {"iters": iters, "model": model, "start_policy": policy, "expert_data": expert, "seed": seed,
+                         "log_to": log_to.split(",") if log_to else None}
+            if model:  # an explicit model replaces the preset's tiny model
+                overrides["init_model"] = None
+            cfg = resolve(env, preset, config, overrides)
+            if model:
+                cfg = cfg.replace(model=model)
+            rd = run_dir or Path("runs") / f"{env}-{preset}"
+            rep = run_evolve(cfg, rd, resume=resume, quiet=quiet)
+            if json_out:
+                emit_json(rep)
+            else:
+                print_table(rep)
+
+        run_command(body)

@@ -1,0 +1,38 @@
+"""`qevolve report`: scores per split and iteration, environment steps and plots of a run directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qevolve_cli.commands.common import JsonOpt, emit_json, run_command
+
+HELP = """Table of scores per split and iteration (BC, iter 1, ...) with the environment steps each used,
+and PNG plots (scores, critic losses, advantage histograms by source) written into RUN_DIR/report/.
+
+\b
+Examples:
+  qevolve report runs/demo
+  qevolve report runs/sw --json | jq '.rows[-1]'
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("report", help=HELP)
+    def report(
+        run_dir: Annotated[Path, typer.Argument(help="Run directory of `qevolve evolve`.", show_default=False)],
+        no_plots: Annotated[bool, typer.Option("--no-plots", help="Only the table.")] = False,
+        json_out: JsonOpt = False,
+    ) -> None:
+        def body() -> None:
+            from qevolve_cli.evolve.report import build_report, print_table
+
+            rep = build_report(run_dir, plots=not no_plots)
+            if json_out:
+                emit_json(rep)
+            else:
+                print_table(rep)
+                typer.echo("written: " + ", ".join(str(run_dir / f) for f in rep["files"]), err=True)
+
+        run_command(body)

@@ -1,0 +1,164 @@
+"""`qevolve rollout`: the policy plays a split in batches; the trajectories land in a step table."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    EnvOpt,
+    JsonOpt,
+    OutOpt,
+    QuietOpt,
+    emit_json,
+    progress,
+    run_command,
+    stderr_console,
+)
+
+HELP = """Collect self-play trajectories of a policy into a SPEC §3 table (source=self).
+
+\b
+Episodes are played in batches: one generation call per round for every live
+episode, environment steps in a pool of worker processes, finished episodes
+replaced by new (task, sample) pairs until every task has --n-per-task
+trajectories. Finished episodes are appended to OUT.journal.jsonl as they
+finish; after an interruption --resume plays only the missing pairs. The final
+table is written atomically, with the resolved config in OUT.config.yaml.
+
+\b
+Examples:
+  qevolve rollout --env textcraft --policy runs/bc/policy --split train --max-tasks 20 --out self.parquet
+  qevolve rollout --env sciworld --policy Llama-2-7b-chat --adapter runs/it1/policy --backend vllm \\
+      --n-per-task 3 --iteration 1 --out it1_self.parquet
+  qevolve rollout --env sciworld --policy my-model --backend openai --base-url http://127.0.0.1:8000/v1 \\
+      --out self.parquet
+  qevolve rollout --env textcraft --policy runs/bc/policy --out self.parquet --resume   # after Ctrl-C
+"""
+
+PolicyOpt = Annotated[str, typer.Option("--policy", help="Policy model: a Hugging Face model directory (or the "
+                                        "model name served at --base-url).")]
+AdapterOpt = Annotated[Path | None, typer.Option("--adapter", help="PEFT LoRA adapter directory on top of --policy.")]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="Generation backend: hf, vllm, openai.")]
+BaseUrlOpt = Annotated[str | None, typer.Option("--base-url", help="OpenAI-compatible server, e.g. "
+                                                "http://127.0.0.1:8000/v1 (with --backend openai).")]
+
+
+def resolve_config(config: Path | None, overrides: dict[str, Any]):
+    from qevolve_cli.config import load_config, load_yaml
+    from qevolve_cli.rollout.config import RolloutConfig
+
+    section = None
+    if config is not None and "rollout" in load_yaml(config):
+        section = "rollout"
+    return load_config(RolloutConfig, config, section=section, overrides=overrides)
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM ends the run like Ctrl-C: the pool's workers are stopped, the journal kept."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+class ProgressView:
+    """Rich progress bar on stderr: episodes done, success so far, steps/s."""
+
+    def __init__(self, label: str, quiet: bool):
+        self.p = progress(quiet=quiet)
+        self.label = label
+        self.task = None
+
+    def __enter__(self):
+        self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.p.__exit__(*exc)
+
+    def __call__(self, st) -> None:
+        if self.task is None:
+            self.task = self.p.add_task(self.label, total=st.total, info="")
+        info = f"success {st.successes}/{st.done}"
+        if st.failed:
+            info += f" · failed {st.failed}"
+        info += f" · {st.steps_per_s:.1f} steps/s"
+        self.p.update(self.task, completed=st.done, total=st.total, info=info)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("rollout", help=HELP)
+    def rollout(
+        env: EnvOpt,
+        policy: PolicyOpt,
+        out: OutOpt,
+        split: Annotated[str | None, typer.Option("--split", help="Task split: train, test_seen, test_unseen, test.")] = None,
+        adapter: AdapterOpt = None,
+        n_per_task: Annotated[int | None, typer.Option("--n-per-task", help="Trajectories per task (paper: 3).")] = None,
+        temperature: Annotated[float | None, typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
+        max_tasks: Annotated[int | None, typer.Option("--max-tasks", help="Only the first N tasks of the split.")] = None,
+        workers: Annotated[int | None, typer.Option("--workers", "-w", help="Environment worker processes.")] = None,
+        envs_per_worker: Annotated[int | None, typer.Option("--envs-per-worker", help="Live episodes per worker.")] = None,
+        backend: BackendOpt = None,
+        base_url: BaseUrlOpt = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Random seed (same seed -> same table with hf on CPU).")] = None,
+        iteration: Annotated[int | None, typer.Option("--iteration", help="Evolving iteration recorded in the table.")] = None,
+        max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens generated per turn.")] = None,
+        max_steps: Annotated[int | None, typer.Option("--max-steps", help="Turns per episode (0 = the env's limit).")] = None,
+        max_context: Annotated[int | None, typer.Option("--max-context", help="Context length in tokens (0 = model max).")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted rollout from OUT.journal.jsonl.")] = False,
+        config: ConfigOpt = None,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        def body() -> None:
+            from qevolve_cli.rollout.loop import run_rollout
+
+            cfg = resolve_config(config, {
+                "env": env, "split": split, "n_per_task": n_per_task, "temperature": temperature,
+                "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker,
+                "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
+                "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
+            })
+            sigterm_as_interrupt()
+            try:
+                with ProgressView(f"rollout {cfg.env}/{cfg.split}", quiet) as view:
+                    res = run_rollout(cfg, policy, out, adapter=adapter, resume=resume, on_progress=view)
+            except KeyboardInterrupt:
+                from qevolve_cli.rollout.loop import journal_path
+
+                typer.echo(f"interrupted: finished episodes are kept in {journal_path(out)}; "
+                           "rerun with --resume to complete", err=True)
+                raise
+            t = res.table
+            n_traj = t["traj_id"].n_unique()
+            per = t.group_by("traj_id").agg(pl_sum_reward())
+            summary = {
+                "out": str(out), "env": cfg.env, "split": cfg.split, "iteration": cfg.iteration,
+                "trajectories": n_traj, "steps": t.height,
+                "success_rate": round(float((per["reward"] > 0).mean()), 6),
+                "avg_reward": round(float(per["reward"].mean()), 6),
+                "failed": int(t.filter(t["error"].is_not_null())["traj_id"].n_unique()) if "error" in t.columns else 0,
+                "truncated_steps": int(t["truncated"].sum()) if "truncated" in t.columns else 0,
+                "stats": res.stats.to_dict(),
+            }
+            if json_out:
+                emit_json(summary)
+            else:
+                stderr_console().print(
+                    f"[green]wrote[/green] {out}: {n_traj} trajectories, {t.height} steps "
+                    f"({cfg.env}/{cfg.split}), non-zero reward {summary['success_rate']:.3f}, "
+                    f"avg reward {summary['avg_reward']:.3f}, failed {summary['failed']}")
+
+        run_command(body)
+
+
+def pl_sum_reward():
+    import polars as pl
+
+    return pl.col("reward_env").sum().alias("reward")

@@ -1,0 +1,112 @@
+"""``CriticConfig``: the weighted IQL critic's configuration (mirrored by ``configs/critic.yaml``).
+
+Paper values (Tables "Hyperparameters" and "Iteration 1 vs Iteration 2"):
+epochs 20 (iteration 1) / 2 (iteration 2), learning rate 1e-5 (iteration 1;
+iteration 2: 1e-5 ALFWorld, 5e-6 SciWorld / WebShop), gamma 0.95, EMA
+lambda 0.005 every K = 2 optimisation steps, weight decay 0, warm-up ratio
+0.03, cosine schedule. The paper gives no expectile m, LoRA rank or head
+width: the defaults below (m = 0.7, rank 16, head width 256) are our choices,
+documented in ``docs/critic.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qevolve_cli.algos import CRITIC_REDUCTIONS
+from qevolve_cli.config import ConfigBase, field
+from qevolve_cli.errors import ConfigError
+
+
+@dataclass
+class CriticConfig(ConfigBase):
+    # optimisation
+    epochs: int = field(20, help="Passes over the trajectories (paper: 20 in iteration 1, 2 in iteration 2).", ge=1)
+    lr: float = field(1e-5, help="Learning rate of the LoRA adapters (paper: 1e-5; 5e-6 in iteration 2 on SciWorld/WebShop).", gt=0)
+    head_lr: float | None = field(None, help="Learning rate of the MLP heads (null: same as lr).", gt=0)
+    weight_decay: float = field(0.0, help="AdamW weight decay.", ge=0)
+    warmup_ratio: float = field(0.03, help="Fraction of the updates spent in linear warm-up.", ge=0, lt=1)
+    lr_scheduler: str = field("cosine", help="Learning-rate schedule after warm-up.", choices=("cosine", "linear", "constant"))
+    grad_clip: float = field(1.0, help="Clip the gradient norm of each update (0: off).", ge=0)
+    batch_size: int = field(4, help="Trajectories per batch (right-padded, one forward per adapter).", ge=1)
+    steps_per_traj: int = field(0, help="Steps K sampled per trajectory per update (0: all steps).", ge=0)
+    schedule: str = field(
+        "alternate",
+        help="alternate: each batch is one Q or one V update, alternating (paper's Algorithm 'Critic optimization'); "
+        "both: a Q update then a V update on every batch.",
+        choices=("alternate", "both"),
+    )
+    reduction: str = field(
+        "traj_sum",
+        help="Loss reduction: traj_sum (sum over a trajectory's sampled steps, mean over trajectories; the paper), "
+        "sum, or mean (over steps).",
+        choices=CRITIC_REDUCTIONS,
+    )
+    seed: int = field(0, help="Random seed (head init, step sampling, batch order).")
+    # IQL
+    gamma: float = field(0.95, help="Discount factor gamma of the TD target.", ge=0, le=1)
+    expectile: float = field(0.7, help="Expectile m of L2^m (paper: not given; 0.7 as in IQL's locomotion setting).", gt=0, lt=1)
+    ema_lambda: float = field(0.005, help="EMA rate of the delayed Q adapter and heads.", gt=0, le=1)
+    ema_every: int = field(2, help="Apply the EMA update every K optimisation steps.", ge=1)
+    # weights and rewards (ablations)
+    weighted: bool = field(True, help="Weighted IQL; false = standard IQL (ablation 'w/o W-IQL', all w_t = 1).")
+    weight_temporal: bool = field(True, help="Keep the temporal term t/T of w_t (false: ablation 'w/o temporal term').")
+    weight_success: bool = field(True, help="Keep the success term d of w_t (false: ablation 'w/o success term').")
+    shaping: bool = field(True, help="Critic reward r = r_env + r_aux; false = r_env only (ablation 'no retrospective labels').")
+    # model
+    lora_rank: int = field(16, help="LoRA rank r of the value, Q and delayed-Q adapters.", ge=1)
+    lora_alpha: int = field(32, help="LoRA alpha.", ge=1)
+    lora_dropout: float = field(0.0, help="LoRA dropout.", ge=0, lt=1)
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        help="Modules that get LoRA adapters (PEFT names; ['all-linear'] = every linear layer but the LM head).",
+    )
+    head_hidden: int = field(256, help="Hidden width of the MLP heads g_v, g_q1, g_q2.", ge=1)
+    max_length: int | None = field(None, help="Longest tokenised trajectory (null: the tokenizer's maximum); longer steps are skipped.", gt=0)
+    # hardware
+    device: str = field("auto", help="auto (cuda if available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
+    dtype: str = field("auto", help="Backbone dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.",
+                       choices=("auto", "float32", "bfloat16"))
+    gradient_checkpointing: bool = field(False, help="Recompute backbone activations in the backward pass (long sequences on GPU).")
+    checkpoint: bool = field(True, help="Save a resumable checkpoint after every epoch (OUT.partial/).")
+
+    def validate(self, source: Any = None, prefix: str = "") -> None:
+        if not self.lora_target_modules:
+            raise ConfigError(source, prefix + "lora_target_modules", "must name at least one module")
+
+    def peft_target_modules(self) -> str | list[str]:
+        t = list(self.lora_target_modules)
+        return "all-linear" if t == ["all-linear"] else t
+
+
+def default_config_path():
+    from qevolve_cli.config import configs_dir
+
+    return configs_dir() / "critic.yaml"
+
+
+def load_critic_config(path: Any = None, preset: str | None = None,
+                       overrides: dict[str, Any] | None = None) -> CriticConfig:
+    """``path`` (a flat mapping, or a file of named presets like ``configs/critic.yaml``) + ``preset`` + overrides.
+
+    Without ``path`` the defaults of :class:`CriticConfig` apply (= the paper's iteration 1), unless a
+    ``preset`` is named, which is then looked up in ``configs/critic.yaml``. Every preset inherits ``default``.
+    """
+    from qevolve_cli.config import load_config, load_yaml
+
+    if path is None and preset is not None:
+        path = default_config_path()
+    if path is None:
+        return load_config(CriticConfig, None, None, overrides)
+    data = load_yaml(path)
+    is_presets = bool(data) and all(isinstance(v, dict) for v in data.values())
+    if not is_presets:
+        if preset is not None:
+            raise ConfigError(path, preset, "the file has no named presets")
+        return load_config(CriticConfig, path, None, overrides)
+    name = preset or "default"
+    if name not in data:
+        raise ConfigError(path, name, f"no such preset (known: {', '.join(sorted(data))})")
+    merged = {**data.get("default", {}), **data[name]}
+    merged = {**merged, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return CriticConfig.from_dict(merged, source=path)

@@ -1,0 +1,254 @@
+"""The critic (paper Appendix "Critic Model Structure").
+
+One frozen causal-LM backbone f_theta carrying three PEFT LoRA adapters on the
+SAME model object: ``value`` (phi_v), ``q`` (phi_q) and ``q_target`` (the
+delayed bar-phi_q, updated only by EMA). A forward pass activates one adapter
+(PEFT adapter switching); the backbone is never copied. The last hidden states
+of the adapter are pooled at per-step prefix end positions (last-token
+pooling) and fed to small MLP heads: g_v, g_q1, g_q2 and the EMA copies
+bar-g_q1, bar-g_q2.
+
+Saved layout (``CriticModel.save``)::
+
+    DIR/adapters/{value,q,q_target}/adapter_config.json + adapter_model.safetensors   (PEFT)
+    DIR/heads.safetensors        v.*, q1.*, q2.*, q1_target.*, q2_target.*
+    DIR/critic.json              base model, hidden size, head width, adapter names
+    DIR/tokenizer files          the base model's tokenizer (``qevolve label --critic DIR`` loads it)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qevolve_cli.algos import ema_update_
+from qevolve_cli.errors import QevolveError
+
+ADAPTERS = ("value", "q", "q_target")
+HEADS = ("v", "q1", "q2", "q1_target", "q2_target")
+CRITIC_META = "critic.json"
+HEADS_FILE = "heads.safetensors"
+
+
+class MLPHead(nn.Module):
+    """g: R^d -> R, Linear(d, h) -> GELU -> Linear(h, 1)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+
+def pool_last_token(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Gather hidden[b, positions[b, k]] -> (B, K, d) (last-token pooling at prefix ends)."""
+    B, K = positions.shape
+    idx = positions.unsqueeze(-1).expand(B, K, hidden.shape[-1])
+    return torch.gather(hidden, 1, idx)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise QevolveError("device: cuda requested but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _load_base(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    p = Path(model_dir)
+    if not p.is_dir():
+        raise QevolveError(f"{p}: model directory not found")
+    try:
+        base = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, trust_remote_code=False,
+                                                    local_files_only=True, use_safetensors=True)
+    except Exception as e:  # noqa: BLE001 - one line for the user
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QevolveError(f"{p}: cannot load a causal LM ({msg})") from None
+    base.to(device)
+    base.eval()
+    for prm in base.parameters():
+        prm.requires_grad_(False)
+    return base
+
+
+class CriticModel(nn.Module):
+    """Frozen backbone + adapters value / q / q_target + heads; see the module docstring."""
+
+    def __init__(self, peft_model: Any, hidden_size: int, head_hidden: int, base_path: str):
+        super().__init__()
+        self.backbone = peft_model
+        self.hidden_size = hidden_size
+        self.head_hidden = head_hidden
+        self.base_path = base_path
+        self.heads = nn.ModuleDict({h: MLPHead(hidden_size, head_hidden) for h in HEADS})
+        self._active: str | None = None
+        self._trainable: list[nn.Parameter] = []
+
+    def enable_training(self) -> None:
+        """Adapters value and q (and all heads but the EMA targets) get gradients; q_target never does."""
+        self._trainable = [p for _, p in self.adapter_params("value")] + [p for _, p in self.adapter_params("q")]
+        self._fix_grads()
+        for h in ("q1_target", "q2_target"):
+            self.heads[h].requires_grad_(False)
+
+    def _fix_grads(self) -> None:
+        for p in self._trainable:
+            p.requires_grad_(True)
+        for _, p in self.adapter_params("q_target"):
+            p.requires_grad_(False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, base_model: str | Path, cfg: Any, device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> CriticModel:
+        """Fresh critic: LoRA adapters on ``base_model``; q_target and the target heads start as copies of q."""
+        from peft import LoraConfig, get_peft_model
+
+        device = device or resolve_device(cfg.device)
+        dtype = dtype or resolve_dtype(cfg.dtype, device)
+        torch.manual_seed(cfg.seed)
+        base = _load_base(base_model, dtype, device)
+        lcfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=cfg.peft_target_modules(), bias="none", task_type="CAUSAL_LM")
+        try:
+            peft_model = get_peft_model(base, lcfg, adapter_name="value")
+        except ValueError as e:
+            raise QevolveError(f"lora_target_modules: {str(e).splitlines()[0]}") from None
+        peft_model.add_adapter("q", lcfg)
+        peft_model.add_adapter("q_target", lcfg)
+        if cfg.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
+            base.train()  # HF checkpoints only in training mode (the backbone has no active dropout by default)
+        model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model))
+        model.heads.to(device=device, dtype=torch.float32)
+        model.hard_update_target()
+        return model
+
+    @classmethod
+    def load(cls, critic_dir: str | Path, base_model: str | Path | None = None, device: str | torch.device = "auto",
+             dtype: str | torch.dtype = "auto", trainable: bool = False) -> CriticModel:
+        """Load a saved critic; the base model comes from ``critic.json`` unless ``base_model`` is given."""
+        from peft import PeftModel
+        from safetensors.torch import load_file
+
+        d = Path(critic_dir)
+        meta_p = d / CRITIC_META
+        if not meta_p.is_file():
+            raise QevolveError(f"{d}: not a critic directory (no {CRITIC_META}; train one with `qevolve critic`)")
+        meta = json.loads(meta_p.read_text())
+        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
+        base_dir = Path(base_model or meta["base_model"])
+        if not base_dir.is_absolute() and not base_dir.is_dir():
+            base_dir = d / base_dir
+        base = _load_base(base_dir, dt, dev)
+        ad = d / "adapters"
+        for name in ADAPTERS:
+            if not (ad / name / "adapter_config.json").is_file():
+                raise QevolveError(f"{ad / name}: missing adapter '{name}'")
+        peft_model = PeftModel.from_pretrained(base, str(ad / "value"), adapter_name="value", is_trainable=trainable)
+        peft_model.load_adapter(str(ad / "q"), adapter_name="q", is_trainable=trainable)
+        peft_model.load_adapter(str(ad / "q_target"), adapter_name="q_target", is_trainable=trainable)
+        model = cls(peft_model, int(meta["hidden_size"]), int(meta["head_hidden"]), str(base_dir))
+        model.heads.to(device=dev, dtype=torch.float32)
+        state = load_file(str(d / HEADS_FILE), device=str(dev))
+        missing = model.heads.load_state_dict(state, strict=False)
+        if missing.missing_keys or missing.unexpected_keys:
+            raise QevolveError(f"{d / HEADS_FILE}: heads do not match (missing {missing.missing_keys[:3]}, "
+                               f"unexpected {missing.unexpected_keys[:3]})")
+        return model
+
+    def save(self, out_dir: str | Path, tokenizer: Any = None, extra_meta: dict[str, Any] | None = None) -> None:
+        """Write adapters (PEFT), heads (safetensors), critic.json and the tokenizer into ``out_dir``."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(str(out / "adapters"), selected_adapters=list(ADAPTERS))
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.heads.state_dict().items()}
+        save_file(state, str(out / HEADS_FILE), metadata={"format": "pt"})
+        meta = {"format": "qevolve-critic/1", "base_model": self.base_path, "hidden_size": self.hidden_size,
+                "head_hidden": self.head_hidden, "adapters": list(ADAPTERS), "heads": list(HEADS),
+                "pooling": "last-token at pos_s (value), pos_sa (q, q_target), pos_next (value)"}
+        meta.update(extra_meta or {})
+        (out / CRITIC_META).write_text(json.dumps(meta, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+
+    # ------------------------------------------------------------------ parameters
+    def adapter_params(self, name: str) -> list[tuple[str, nn.Parameter]]:
+        """(key, parameter) of one adapter, keys with the adapter name removed (aligned across adapters)."""
+        tag = f".{name}."
+        out = [(n.replace(tag, ".<a>."), p) for n, p in self.backbone.named_parameters() if tag in n]
+        if not out:
+            raise QevolveError(f"critic: adapter '{name}' has no parameters")
+        return sorted(out, key=lambda kv: kv[0])
+
+    def value_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(adapter params, head params) trained by L_V."""
+        return [p for _, p in self.adapter_params("value")], list(self.heads["v"].parameters())
+
+    def q_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(adapter params, head params) trained by L_Q."""
+        return ([p for _, p in self.adapter_params("q")],
+                list(self.heads["q1"].parameters()) + list(self.heads["q2"].parameters()))
+
+    def _target_pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        q = dict(self.adapter_params("q"))
+        qt = dict(self.adapter_params("q_target"))
+        if q.keys() != qt.keys():
+            raise QevolveError("critic: adapters 'q' and 'q_target' have different layouts")
+        keys = sorted(q)
+        tgt = [qt[k] for k in keys] + [p for h in ("q1_target", "q2_target") for p in self.heads[h].parameters()]
+        onl = [q[k] for k in keys] + [p for h in ("q1", "q2") for p in self.heads[h].parameters()]
+        return tgt, onl
+
+    def ema_update(self, lam: float) -> None:
+        """(bar-phi_q, bar-g_q1, bar-g_q2) <- (1 - lam) * target + lam * online."""
+        tgt, onl = self._target_pairs()
+        ema_update_(tgt, onl, lam)
+
+    def hard_update_target(self) -> None:
+        tgt, onl = self._target_pairs()
+        ema_update_(tgt, onl, 1.0)
+
+    # ------------------------------------------------------------------ forward
+    def _decoder(self) -> nn.Module:
+        # PeftModel -> LoraModel -> *ForCausalLM -> its base transformer (no LM head: no vocab-size logits)
+        return self.backbone.base_model.model.base_model
+
+    def hidden(self, adapter: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states (B, L, d) of the backbone with one adapter active."""
+        if adapter not in ADAPTERS:
+            raise ValueError(f"unknown adapter {adapter!r}")
+        if self._active != adapter:
+            # inference_mode keeps requires_grad False: the optimisers own which tensors train
+            self.backbone.base_model.set_adapter(adapter, inference_mode=True)
+            self._active = adapter
+            if self._trainable:
+                self._fix_grads()
+        out = self._decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state
+
+    def pooled(self, adapter: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               *positions: torch.Tensor) -> list[torch.Tensor]:
+        """One forward with ``adapter``; pooled (B, K, d) float32 states at each positions tensor."""
+        h = self.hidden(adapter, input_ids, attention_mask)
+        return [pool_last_token(h, p).float() for p in positions]
+
+    def head(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self.heads[name](x)

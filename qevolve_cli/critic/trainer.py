@@ -1,0 +1,286 @@
+"""Training loop of the weighted IQL critic (paper Algorithm "Critic optimization").
+
+Read top to bottom:
+
+1. :func:`train_critic` loads the labelled table, tokenises every trajectory
+   once (:mod:`qevolve_cli.critic.data`), builds the critic
+   (:class:`~qevolve_cli.critic.model.CriticModel`) and runs the epochs,
+   resuming from ``OUT.partial/`` when an earlier run was interrupted; at the
+   end it writes ``OUT/`` atomically (adapters, heads, config.yaml,
+   metrics.jsonl, tokenizer).
+2. :class:`CriticTrainer.run_epoch` shuffles the trajectories into batches;
+   for batch n it samples K steps per trajectory and makes ONE update:
+   a Q update when n is odd, a V update when n is even (``schedule:
+   alternate``; ``both`` does a Q then a V update on every batch). Every
+   ``ema_every`` updates the delayed Q adapter and heads follow by EMA.
+3. :meth:`CriticTrainer.q_update`: V(s') from the value adapter (no grad),
+   y = r + gamma (1 - d) V(s'), Double-Q weighted TD regression of
+   (phi_q, g_q1, g_q2).
+   :meth:`CriticTrainer.v_update`: min(Qbar1, Qbar2) from the q_target
+   adapter and target heads (no grad), weighted expectile regression of
+   (phi_v, g_v).
+
+Each update runs exactly two forwards of the backbone per batch row (one per
+adapter), whatever the number of steps in the row.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qevolve_cli.algos import critic_q_loss, critic_v_loss, td_target
+from qevolve_cli.atomic import atomic_dir, atomic_path
+from qevolve_cli.config import dump_yaml
+from qevolve_cli.critic.config import CriticConfig
+from qevolve_cli.critic.data import TrajItem, attach_targets, build_items, collate, load_table, sample_steps
+from qevolve_cli.critic.model import CriticModel
+from qevolve_cli.errors import QevolveError
+from qevolve_cli.training import lr_lambda
+
+ProgressFn = Callable[[int, str], None]  # (batches advanced, info text)
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    p = Path(model_dir)
+    if not p.is_dir():
+        raise QevolveError(f"{p}: model directory not found")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QevolveError(f"{p}: cannot load a tokenizer ({msg})") from None
+    if getattr(tok, "chat_template", None) is None:
+        raise QevolveError(f"{p}: the tokenizer has no chat template")
+    return tok
+
+
+def pad_id_of(tok: Any) -> int:
+    pid = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return int(pid if pid is not None else 0)
+
+
+class _Group:
+    """One optimiser + schedule over (adapter params, head params)."""
+
+    def __init__(self, adapter: list, heads: list, cfg: CriticConfig, total: int):
+        groups = [{"params": adapter, "lr": cfg.lr}, {"params": heads, "lr": cfg.head_lr or cfg.lr}]
+        self.opt = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+        self.base = [g["lr"] for g in groups]
+        self.total = max(1, total)
+        self.warmup = int(round(cfg.warmup_ratio * self.total))
+        self.kind = cfg.lr_scheduler
+        self.step_i = 0
+        self.clip = cfg.grad_clip
+        self.params = adapter + heads
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        f = lr_lambda(self.step_i, self.total, self.warmup, self.kind)
+        for g, b in zip(self.opt.param_groups, self.base, strict=True):
+            g["lr"] = b * f
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+        self.step_i += 1
+        self._set_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"opt": self.opt.state_dict(), "step": self.step_i}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.opt.load_state_dict(s["opt"])
+        self.step_i = int(s["step"])
+        self._set_lr()
+
+
+class CriticTrainer:
+    """Holds the critic, its two optimisers and the update counter n."""
+
+    def __init__(self, critic: CriticModel, cfg: CriticConfig, items: list[TrajItem], pad_id: int,
+                 per_step: bool = False):
+        self.critic, self.cfg, self.items, self.pad_id = critic, cfg, items, pad_id
+        self.per_step = per_step  # naive layout (one row per step): the benchmark's baseline
+        self.device = next(critic.heads.parameters()).device
+        n_batches = math.ceil(len(items) / cfg.batch_size) * cfg.epochs
+        q_total = n_batches if cfg.schedule == "both" else (n_batches + 1) // 2
+        v_total = n_batches if cfg.schedule == "both" else n_batches // 2
+        critic.enable_training()
+        self.q = _Group(*critic.q_parameters(), cfg, q_total)
+        self.v = _Group(*critic.value_parameters(), cfg, v_total)
+        self.n = 0  # optimisation steps so far (Q and V together)
+
+    # ---------------------------------------------------------------- updates
+    def q_update(self, b) -> dict[str, float]:
+        c, cfg = self.critic, self.cfg
+        with torch.no_grad():
+            (h_next,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_next)
+            v_next = c.head("v", h_next)
+        (h_sa,) = c.pooled("q", b.input_ids, b.attention_mask, b.pos_sa)
+        q1, q2 = c.head("q1", h_sa), c.head("q2", h_sa)
+        y = td_target(b.reward, b.done, v_next, cfg.gamma)
+        loss = critic_q_loss(q1, q2, y, b.weight, b.step_mask, cfg.reduction)
+        self.q.step(loss)
+        m = b.step_mask
+        with torch.no_grad():
+            td = 0.5 * ((q1 - y).abs() + (q2 - y).abs())
+            return {"loss_q": float(loss.detach()), "mean_q": float(0.5 * (q1 + q2)[m].mean()),
+                    "td_error": float(td[m].mean()), "mean_y": float(y[m].mean())}
+
+    def v_update(self, b) -> dict[str, float]:
+        c, cfg = self.critic, self.cfg
+        with torch.no_grad():
+            (h_sa,) = c.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
+            qt1, qt2 = c.head("q1_target", h_sa), c.head("q2_target", h_sa)
+        (h_s,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s)
+        v = c.head("v", h_s)
+        loss = critic_v_loss(v, qt1, qt2, b.weight, b.step_mask, cfg.expectile, cfg.reduction)
+        self.v.step(loss)
+        m = b.step_mask
+        return {"loss_v": float(loss.detach()), "mean_v": float(v.detach()[m].mean()),
+                "mean_qbar": float(torch.minimum(qt1, qt2)[m].mean())}
+
+    def _after_update(self) -> None:
+        self.n += 1
+        if self.n % self.cfg.ema_every == 0:
+            self.critic.ema_update(self.cfg.ema_lambda)
+
+    # ---------------------------------------------------------------- epoch
+    def run_epoch(self, epoch: int, progress: ProgressFn | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, epoch])
+        order = rng.permutation(len(self.items))
+        sums: dict[str, list[float]] = {}
+        counts = {"q_updates": 0, "v_updates": 0, "forward_calls": 0, "forward_rows": 0, "transitions": 0}
+        t0 = time.perf_counter()
+        for start in range(0, len(order), cfg.batch_size):
+            chosen = order[start:start + cfg.batch_size]
+            picks = [(int(i), sample_steps(self.items[i], cfg.steps_per_traj, rng)) for i in chosen]
+            b = collate(self.items, picks, self.pad_id, self.device, per_step=self.per_step)
+            kinds = ["q", "v"] if cfg.schedule == "both" else ["q" if self.n % 2 == 0 else "v"]
+            for kind in kinds:
+                stats = self.q_update(b) if kind == "q" else self.v_update(b)
+                counts[f"{kind}_updates"] += 1
+                counts["forward_calls"] += 2
+                counts["forward_rows"] += 2 * b.input_ids.shape[0]
+                counts["transitions"] += b.n_steps
+                for k, v in stats.items():
+                    sums.setdefault(k, []).append(v)
+                self._after_update()
+            if progress is not None:
+                last = {k: v[-1] for k, v in sums.items() if k in ("loss_q", "loss_v")}
+                progress(1, f"epoch {epoch + 1} " + " ".join(f"{k}={v:.4f}" for k, v in last.items()))
+        secs = time.perf_counter() - t0
+        out: dict[str, Any] = {"epoch": epoch + 1}
+        for k in ("loss_q", "loss_v", "mean_q", "mean_v", "mean_qbar", "mean_y", "td_error"):
+            out[k] = float(np.mean(sums[k])) if k in sums else None
+        out.update(counts)
+        out["seconds"] = round(secs, 4)
+        out["transitions_per_s"] = counts["transitions"] / secs if secs > 0 else None
+        out["lr_q"] = self.q.opt.param_groups[0]["lr"]
+        out["lr_v"] = self.v.opt.param_groups[0]["lr"]
+        return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        adapters = {n: p.detach().cpu().clone() for n, p in self.critic.backbone.named_parameters() if "lora_" in n}
+        heads = {k: v.detach().cpu().clone() for k, v in self.critic.heads.state_dict().items()}
+        return {"adapters": adapters, "heads": heads, "q": self.q.state_dict(), "v": self.v.state_dict(), "n": self.n}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        params = dict(self.critic.backbone.named_parameters())
+        with torch.no_grad():
+            for n, t in s["adapters"].items():
+                if n not in params:
+                    raise QevolveError(f"checkpoint: unknown adapter tensor {n}")
+                params[n].copy_(t)
+        self.critic.heads.load_state_dict(s["heads"])
+        self.q.load_state_dict(s["q"])
+        self.v.load_state_dict(s["v"])
+        self.n = int(s["n"])
+
+
+def _partial_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Path, *,
+                 tokenizer: Any = None, progress: Callable[[int], ProgressFn] | None = None,
+                 resume: bool = True) -> dict[str, Any]:
+    """Train the weighted IQL critic on a labelled table; write ``out/``; return a summary with per-epoch metrics.
+
+    ``data``: path of a labelled table (``qevolve label``) or a validated frame.
+    ``model``: base model directory (the frozen backbone; its tokenizer renders the transcripts).
+    ``progress``: optional factory ``total_batches -> callback(advance, info)``.
+    An interrupted run leaves ``out.partial/`` (one checkpoint per epoch) and resumes from it
+    when called again with the same configuration and data.
+    """
+    out = Path(out)
+    t_start = time.perf_counter()
+    df, source = load_table(data)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+    items = build_items(df, tok, cfg.max_length, source)
+    attach_targets(items, df, cfg, source)
+    skipped_steps = int(sum((~it.usable).sum() for it in items))
+    items = [it for it in items if it.usable.any()]
+    if not items:
+        raise QevolveError(f"{source or 'data'}: no trajectory fits max_length={cfg.max_length}")
+    critic = CriticModel.create(model, cfg)
+    trainer = CriticTrainer(critic, cfg, items, pad_id_of(tok))
+
+    fingerprint = {"config": cfg.hash(), "model": str(Path(model).resolve()), "n_items": len(items),
+                   "n_steps": int(sum(it.n_steps for it in items)),
+                   "traj": sorted(it.traj_id for it in items)[:50]}
+    partial = _partial_dir(out)
+    metrics: list[dict[str, Any]] = []
+    start_epoch = 0
+    ck = partial / "state.pt"
+    if resume and ck.is_file():
+        info = json.loads((partial / "progress.json").read_text())
+        if info.get("fingerprint") == fingerprint:
+            trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=True))
+            metrics = info["metrics"]
+            start_epoch = int(info["epochs_done"])
+        else:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    n_batches = math.ceil(len(items) / cfg.batch_size)
+    cb = progress((cfg.epochs - start_epoch) * n_batches) if progress else None
+    for epoch in range(start_epoch, cfg.epochs):
+        m = trainer.run_epoch(epoch, cb)
+        metrics.append(m)
+        if cfg.checkpoint and epoch + 1 < cfg.epochs:
+            partial.mkdir(parents=True, exist_ok=True)
+            with atomic_path(ck) as tmp:
+                torch.save(trainer.state_dict(), tmp)
+            with atomic_path(partial / "progress.json") as tmp:
+                tmp.write_text(json.dumps({"fingerprint": fingerprint, "epochs_done": epoch + 1, "metrics": metrics}))
+
+    summary = {
+        "out": str(out), "base_model": str(model), "trajectories": len(items),
+        "steps": int(sum(it.usable.sum() for it in items)), "skipped_steps": skipped_steps,
+        "epochs": cfg.epochs, "resumed_from_epoch": start_epoch, "final": metrics[-1] if metrics else None,
+        "seconds": round(time.perf_counter() - t_start, 3),
+    }
+    with atomic_dir(out) as tmp:
+        critic.save(tmp, tok, extra_meta={"trained_on": str(source) if source else None,
+                                          "gamma": cfg.gamma, "expectile": cfg.expectile})
+        dump_yaml(cfg, tmp / "config.yaml")
+        (tmp / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shutil.rmtree(partial, ignore_errors=True)
+    summary["metrics"] = metrics
+    return summary

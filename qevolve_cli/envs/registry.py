@@ -1,0 +1,44 @@
+"""Environment registry: ``make_env``, ``list_tasks`` and the per-environment step limits.
+
+Step limits (the paper's "maximum episode length"; TextCraft is our choice):
+WebShop 10, SciWorld 24, ALFWorld 30, TextCraft 40 (expert plans: median 6, max 48 steps).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from qevolve_cli.envs.base import Env, Task
+from qevolve_cli.envs.splits import SPLITS_BY_ENV, task_from_id
+from qevolve_cli.envs.splits import list_tasks as _list_tasks
+from qevolve_cli.errors import QevolveError
+
+MAX_STEPS = {"webshop": 10, "sciworld": 24, "alfworld": 30, "textcraft": 40, "lamps": 16}  # lamps: envs/builtin.py
+ENV_NAMES = tuple(MAX_STEPS)
+_CLASSES = {
+    "textcraft": ("qevolve_cli.envs.textcraft", "TextCraftEnv"),
+    "sciworld": ("qevolve_cli.envs.sciworld", "SciWorldEnv"),
+    "alfworld": ("qevolve_cli.envs.alfworld", "AlfWorldEnv"),
+    "webshop": ("qevolve_cli.envs.webshop", "WebShopEnv"),
+    "lamps": ("qevolve_cli.envs.builtin", "LampsEnv"),
+}
+
+
+def check_env(env_name: str) -> str:
+    if env_name not in _CLASSES:
+        raise QevolveError(f"unknown environment {env_name!r} (known: {', '.join(ENV_NAMES)})")
+    return env_name
+
+
+def make_env(env_name: str, **kwargs: Any) -> Env:
+    """A fresh environment instance (``max_steps`` defaults to :data:`MAX_STEPS`)."""
+    mod, cls = _CLASSES[check_env(env_name)]
+    kwargs.setdefault("max_steps", MAX_STEPS[env_name])
+    return getattr(importlib.import_module(mod), cls)(**kwargs)
+
+
+def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
+    return _list_tasks(check_env(env), split, limit)
+
+
+__all__ = ["MAX_STEPS", "ENV_NAMES", "SPLITS_BY_ENV", "make_env", "list_tasks", "task_from_id", "check_env"]

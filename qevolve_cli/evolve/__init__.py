@@ -1,0 +1,1 @@
+"""The self-evolving loop (`qevolve evolve`) and its run directory."""

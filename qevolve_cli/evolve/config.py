@@ -1,0 +1,155 @@
+"""``EvolveConfig``: the whole Q-Evolve loop, resolved from presets.
+
+Resolution order (later wins): ``configs/presets/<env>.yaml`` (the paper's
+hyper-parameters for that environment) → ``configs/presets/<scale>.yaml`` when
+``--preset`` names a scale (``smoke``, ``cpu``) → ``--config FILE`` → command
+line flags. Stage sections (``bc``, ``rollout``, ``label``, ``critic``,
+``policy``) are overrides of the stage configs (:class:`PolicyConfig`,
+:class:`RolloutConfig`, :class:`LabelConfig`, :class:`CriticConfig`);
+``iterations[k-1]`` overrides them again for iteration k (paper table
+"Iteration 1 vs Iteration 2"). All of them are validated when the config is
+resolved, before any work starts.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
+from qevolve_cli.errors import ConfigError
+
+ENVS = ("textcraft", "sciworld", "alfworld", "webshop", "lamps")  # lamps: built-in CPU env
+SCALES = ("paper", "smoke", "cpu")
+STAGE_SECTIONS = ("bc", "rollout", "label", "critic", "policy")
+
+
+@dataclass
+class EvolveConfig(ConfigBase):
+    env: str = field("textcraft", help="Environment.", choices=ENVS)
+    preset: str = field("paper", help="Scale preset applied over the environment preset: paper, smoke, cpu.",
+                        choices=SCALES)
+    iters: int = field(2, help="Evolving iterations K (paper: 2 for SciWorld/ALFWorld, 3 for WebShop).", ge=0)
+    seed: int = field(0, help="Seed of every stage (rollout sampling, training order, initialisation).")
+    model: str | None = field(None, help="Base model directory (HF checkpoint): backbone of the critic and "
+                                         "initial policy of BC.")
+    init_model: str | None = field(None, help="When no model is given: build a tiny offline model 'ARCH:SIZE' "
+                                              "(e.g. llama:tiny) into the run directory.")
+    start_policy: str | None = field(None, help="Start from this policy (skips BC).")
+    expert_data: str | None = field(None, help="Existing expert table (default: collected with `qevolve expert`).")
+    expert_limit: int = field(0, help="Expert trajectories to collect from the train split (0 = all tasks).", ge=0)
+    expert_workers: int = field(2, help="Worker processes for expert collection.", ge=1)
+    eval_splits: list[str] = field(default_factory=lambda: ["test_seen", "test_unseen"],
+                                   help="Splits evaluated after BC and every iteration.")
+    eval_max_tasks: int = field(0, help="Evaluate only the first N tasks of each split (0 = all).", ge=0)
+    eval_bc: bool = field(True, help="Evaluate the BC policy (iteration 0 of the score table).")
+    log_to: list[str] = field(default_factory=list, help="Extra metric sinks: tensorboard, wandb (when installed).")
+    bc: dict[str, Any] = field(default_factory=dict, help="PolicyConfig overrides of the BC warm-up.")
+    rollout: dict[str, Any] = field(default_factory=dict, help="RolloutConfig overrides (rollout and eval).")
+    label: dict[str, Any] = field(default_factory=dict, help="LabelConfig overrides.")
+    critic: dict[str, Any] = field(default_factory=dict, help="CriticConfig overrides.")
+    policy: dict[str, Any] = field(default_factory=dict, help="PolicyConfig overrides of the BPPO stage.")
+    iterations: list[dict[str, Any]] = field(default_factory=list,
+                                             help="Per-iteration overrides: iterations[k-1] = {rollout/critic/policy: {...}}.")
+
+    def validate(self, source: Any = None, prefix: str = "") -> None:
+        for s in self.eval_splits:
+            if s not in ("train", "test_seen", "test_unseen", "test"):
+                raise ConfigError(source, prefix + "eval_splits", f"unknown split {s!r}")
+        for sink in self.log_to:
+            if sink not in ("tensorboard", "wandb"):
+                raise ConfigError(source, prefix + "log_to", f"unknown sink {sink!r} (tensorboard, wandb)")
+        if self.model is None and self.init_model is None and self.start_policy is None:
+            raise ConfigError(source, prefix + "model", "no base model: pass --model DIR (or a preset with init_model)")
+        if self.init_model is not None:
+            parts = self.init_model.split(":")
+            if len(parts) != 2:
+                raise ConfigError(source, prefix + "init_model", f"expected ARCH:SIZE, got {self.init_model!r}")
+        for i, it in enumerate(self.iterations):
+            unknown = sorted(set(it) - set(STAGE_SECTIONS))
+            if unknown:
+                raise ConfigError(source, f"{prefix}iterations[{i}].{unknown[0]}",
+                                  f"unknown section (known: {', '.join(STAGE_SECTIONS)})")
+        # validate every stage config now, for every iteration
+        for k in range(0, max(self.iters, 1) + 1):
+            for section in STAGE_SECTIONS:
+                try:
+                    self.stage(section, k)
+                except ConfigError as e:
+                    raise ConfigError(source, None, f"{section} (iteration {k}): {e}") from None
+
+    # ---------------------------------------------------------------- stage configs
+    def section(self, name: str, iteration: int) -> dict[str, Any]:
+        base = copy.deepcopy(getattr(self, name))
+        if name != "bc" and 1 <= iteration <= len(self.iterations):
+            base.update(self.iterations[iteration - 1].get(name, {}))
+        return base
+
+    def stage(self, name: str, iteration: int = 1):
+        """The validated stage config of ``name`` for ``iteration``."""
+        d = self.section(name, iteration)
+        if name == "bc":
+            from qevolve_cli.policy.config import PolicyConfig
+
+            return PolicyConfig.from_dict({**d, "objective": "bc", "seed": d.get("seed", self.seed)},
+                                          source="evolve config: bc")
+        if name == "policy":
+            from qevolve_cli.policy.config import PolicyConfig
+
+            d.setdefault("objective", "bppo")
+            d.setdefault("seed", self.seed)
+            return PolicyConfig.from_dict(d, source="evolve config: policy")
+        if name == "rollout":
+            from qevolve_cli.rollout.config import RolloutConfig
+
+            d.update(env=self.env, iteration=iteration)
+            d.setdefault("seed", self.seed + 1000 * iteration)
+            return RolloutConfig.from_dict(d, source="evolve config: rollout")
+        if name == "critic":
+            from qevolve_cli.critic.config import CriticConfig
+
+            d.setdefault("seed", self.seed)
+            return CriticConfig.from_dict(d, source="evolve config: critic")
+        if name == "label":
+            from qevolve_cli.labeling import LabelConfig
+
+            return LabelConfig.from_dict(d, source="evolve config: label")
+        raise KeyError(name)
+
+
+def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def preset_path(name: str) -> Path:
+    p = configs_dir() / "presets" / f"{name}.yaml"
+    if not p.exists():
+        raise ConfigError(p, None, f"no preset named {name!r}")
+    return p
+
+
+def resolve(env: str, preset: str = "paper", config_file: str | Path | None = None,
+            overrides: dict[str, Any] | None = None) -> EvolveConfig:
+    """Env preset, then scale preset, then config file, then flags -> validated EvolveConfig."""
+    if env not in ENVS:
+        raise ConfigError(None, "env", f"unknown environment {env!r} (choose from {', '.join(ENVS)})")
+    if preset not in SCALES:
+        raise ConfigError(None, "preset", f"unknown preset {preset!r} (choose from {', '.join(SCALES)})")
+    data = load_yaml(preset_path(env))
+    if preset != "paper":
+        scale = load_yaml(preset_path(preset))
+        # a scale preset may hold env-specific parts under `envs: {<env>: {...}}`
+        per_env = scale.pop("envs", {}).get(env, {})
+        data = deep_merge(deep_merge(data, scale), per_env)
+    if config_file is not None:
+        data = deep_merge(data, load_yaml(config_file))
+    data = deep_merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
+    data["env"], data["preset"] = env, preset
+    return EvolveConfig.from_dict(data, source=config_file or f"preset {env}/{preset}")

@@ -1,0 +1,278 @@
+"""`qevolve evolve`: BC warm-up, then K iterations of
+rollout → label → critic → label --critic → policy (bppo) → eval  (paper Algorithm "Q-Evolve").
+
+Every stage calls the same library function as its sub-command, records itself
+in the run directory's manifest, and is skipped when a resume finds it done.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qevolve_cli.errors import QevolveError
+from qevolve_cli.evolve.config import EvolveConfig
+from qevolve_cli.evolve.rundir import RunDir, make_sinks
+
+
+def _echo_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Plan:
+    """The loop's stages as paths inside the run directory, and the equivalent shell commands."""
+
+    def __init__(self, cfg: EvolveConfig, run: Path):
+        self.cfg, self.run = cfg, run
+
+    def base_model(self) -> str:
+        if self.cfg.model:
+            return self.cfg.model
+        return "base_model" if self.cfg.init_model else (self.cfg.start_policy or "")
+
+    def expert(self) -> str:
+        return self.cfg.expert_data or "expert.parquet"
+
+    def policy(self, k: int) -> str:
+        if k == 0:
+            return self.cfg.start_policy or "bc/policy"
+        return f"iter_{k}/policy"
+
+    def write_stage_configs(self) -> None:
+        """Flat per-stage config files (stages/*.yaml) used by the plan's shell commands."""
+        from qevolve_cli.config import dump_yaml
+
+        d = self.run / "stages"
+        dump_yaml(self.cfg.stage("bc", 0), d / "bc.yaml")
+        for k in range(1, max(self.cfg.iters, 1) + 1):
+            for name in ("rollout", "label", "critic", "policy"):
+                dump_yaml(self.cfg.stage(name, k), d / f"{name}_{k}.yaml")
+
+    def shell(self) -> str:
+        c = self.cfg
+        q = shlex.quote
+        lines = ["#!/usr/bin/env bash", "# The stages of this run as qevolve sub-commands (run from the run directory).",
+                 "set -euo pipefail", f"cd {q(str(self.run.resolve()))}"]
+        if not c.model and c.init_model:
+            arch, size = c.init_model.split(":")
+            lines.append(f"qevolve init-model --out base_model --arch {arch} --size {size} --seed {c.seed}")
+        base = q(self.base_model())
+        if not c.expert_data:
+            lim = f" --limit {c.expert_limit}" if c.expert_limit else ""
+            lines.append(f"qevolve expert --env {c.env} --split train{lim} --workers {c.expert_workers} --out expert.parquet")
+        if not c.start_policy:
+            lines.append(f"qevolve policy --objective bc --data {q(self.expert())} --model {base} --out bc/policy --config stages/bc.yaml")
+        mt = f" --max-tasks {c.eval_max_tasks}" if c.eval_max_tasks else ""
+        if c.eval_bc:
+            for s in c.eval_splits:
+                lines.append(f"qevolve eval --env {c.env} --policy {q(self.policy(0))} --split {s}{mt} --config stages/rollout_1.yaml --out iter_0/eval_{s}.parquet")
+        for k in range(1, c.iters + 1):
+            prev = q(self.policy(k - 1))
+            lines += [
+                f"# iteration {k}",
+                f"qevolve rollout --env {c.env} --policy {prev} --split train --iteration {k} --seed {c.seed + 1000 * k} "
+                f"--config stages/rollout_{k}.yaml --out iter_{k}/rollout.parquet --resume",
+                f"qevolve label {q(self.expert())} iter_{k}/rollout.parquet --tokenizer {base} --config stages/label_{k}.yaml "
+                f"--out iter_{k}/labeled.parquet",
+                f"qevolve critic --data iter_{k}/labeled.parquet --model {base} --config stages/critic_{k}.yaml --out iter_{k}/critic",
+                f"qevolve label iter_{k}/labeled.parquet --critic iter_{k}/critic --config stages/label_{k}.yaml "
+                f"--out iter_{k}/advantages.parquet",
+                f"qevolve policy --objective bppo --data iter_{k}/advantages.parquet --model {prev} --ref {prev} "
+                f"--config stages/policy_{k}.yaml --out iter_{k}/policy",
+            ]
+            for s in c.eval_splits:
+                lines.append(f"qevolve eval --env {c.env} --policy iter_{k}/policy --split {s}{mt} --config stages/rollout_{k}.yaml "
+                             f"--out iter_{k}/eval_{s}.parquet")
+        lines.append("qevolve report .")
+        return "\n".join(lines) + "\n"
+
+
+def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
+               echo: Callable[[str], None] = _echo_stderr, quiet: bool = False) -> dict[str, Any]:
+    """Run (or resume) the whole loop in ``run_dir``; returns the score summary."""
+    import yaml
+
+    from qevolve_cli.atomic import write_text
+    from qevolve_cli.config import dump_yaml
+
+    run = RunDir(run_dir)
+    cfg_path = run.path / "config.yaml"
+    if cfg_path.exists():
+        if not resume:
+            raise QevolveError(f"{run.path}: a run already exists here; pass --resume to continue it or choose a new --run-dir")
+        saved = EvolveConfig.from_dict(yaml.safe_load(cfg_path.read_text()), source=cfg_path)
+        if saved.hash() != cfg.hash():
+            raise QevolveError(
+                f"{cfg_path}: the run was started with another configuration (hash {saved.hash()} != {cfg.hash()}); "
+                "resume with the same flags or use a new --run-dir"
+            )
+    else:
+        run.path.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, cfg_path)
+    plan = Plan(cfg, run.path)
+    write_text(run.path / "plan.sh", plan.shell())
+    plan.write_stage_configs()
+    if not quiet:
+        echo(f"qevolve evolve: env={cfg.env} preset={cfg.preset} iters={cfg.iters} run={run.path}")
+        echo("plan (equivalent shell commands, also in plan.sh):")
+        for line in plan.shell().splitlines()[4:]:
+            echo("  " + line)
+    run.sinks = make_sinks(cfg.log_to, run.path, echo)
+    P = lambda rel: str(run.path / rel) if not Path(rel).is_absolute() else rel  # noqa: E731
+
+    # ---- base model
+    if not cfg.model and cfg.init_model:
+        arch, size = cfg.init_model.split(":")
+
+        def make_base():
+            from qevolve_cli.models.tiny import create_tiny_model
+
+            create_tiny_model(run.path / "base_model", arch=arch, size=size, seed=cfg.seed)
+            return {"arch": arch, "size": size}
+
+        run.run_stage("base_model", make_base, inputs=[], outputs=["base_model"], config_hash=_h(cfg.init_model, cfg.seed),
+                      iteration=0, echo=echo)
+    base = P(plan.base_model())
+    if cfg.model and not Path(cfg.model).is_dir():
+        raise QevolveError(f"--model {cfg.model}: no such model directory")
+
+    # ---- expert data
+    expert = P(plan.expert())
+    if cfg.expert_data:
+        from qevolve_cli import schema
+
+        schema.read_table(expert)  # validate early, with a one-line error
+    else:
+        def collect():
+            from qevolve_cli import schema
+            from qevolve_cli.envs.expert import collect_expert
+
+            stats: dict[str, Any] = {}
+            df = collect_expert(cfg.env, "train", limit=cfg.expert_limit or None, workers=cfg.expert_workers, stats=stats)
+            schema.write_table(df, run.path / "expert.parquet", producer="qevolve evolve: expert")
+            return {"trajectories": df["traj_id"].n_unique(), "env_steps": df.height,
+                    "replay_success_rate": stats.get("success_rate")}
+
+        run.run_stage("expert", collect, inputs=[], outputs=["expert.parquet"],
+                      config_hash=_h(cfg.env, cfg.expert_limit), iteration=0, echo=echo)
+
+    # ---- BC warm-up
+    if not cfg.start_policy:
+        bc_cfg = cfg.stage("bc", 0)
+
+        def bc():
+            from qevolve_cli.policy.trainer import train_policy
+
+            return _scalars(train_policy(bc_cfg, expert, base, run.path / "bc" / "policy", quiet=quiet))
+
+        run.run_stage("bc", bc, inputs=[plan.expert(), plan.base_model()], outputs=["bc/policy"],
+                      config_hash=bc_cfg.hash(), iteration=0, echo=echo)
+
+    scores: dict[int, dict[str, Any]] = {}
+    if cfg.eval_bc:
+        scores[0] = _evaluate(cfg, run, 0, P(plan.policy(0)), echo, quiet)
+
+    # ---- evolving iterations
+    for k in range(1, cfg.iters + 1):
+        prev = P(plan.policy(k - 1))
+        it = f"iter_{k}"
+        r_cfg = cfg.stage("rollout", k).replace(split="train")
+
+        def rollout(r_cfg=r_cfg, prev=prev, it=it):
+            from qevolve_cli.rollout.loop import run_rollout
+
+            res = run_rollout(r_cfg, prev, run.path / it / "rollout.parquet", resume=True,
+                              producer="qevolve evolve: rollout")
+            t = res.table
+            per = t.group_by("traj_id").agg(__import__("polars").col("reward_env").sum())
+            return {"trajectories": per.height, "env_steps": t.height, "success_rate": float((per["reward_env"] > 0).mean()),
+                    "avg_reward": float(per["reward_env"].mean()), **{f"stats.{a}": b for a, b in res.stats.to_dict().items()}}
+
+        run.run_stage(f"{it}/rollout", rollout, inputs=[plan.policy(k - 1)], outputs=[f"{it}/rollout.parquet"],
+                      config_hash=r_cfg.hash(), iteration=k, echo=echo)
+
+        l_cfg = cfg.stage("label", k)
+
+        def label(l_cfg=l_cfg, it=it):
+            from qevolve_cli.labeling import label_tables
+
+            return _scalars(label_tables([expert, run.path / it / "rollout.parquet"], run.path / it / "labeled.parquet",
+                                         l_cfg, tokenizer=base))
+
+        run.run_stage(f"{it}/label", label, inputs=[plan.expert(), f"{it}/rollout.parquet"],
+                      outputs=[f"{it}/labeled.parquet"], config_hash=l_cfg.hash(), iteration=k, echo=echo)
+
+        c_cfg = cfg.stage("critic", k)
+
+        def critic(c_cfg=c_cfg, it=it):
+            from qevolve_cli.critic.trainer import train_critic
+
+            return _scalars(train_critic(c_cfg, run.path / it / "labeled.parquet", base, run.path / it / "critic"))
+
+        run.run_stage(f"{it}/critic", critic, inputs=[f"{it}/labeled.parquet"], outputs=[f"{it}/critic"],
+                      config_hash=c_cfg.hash(), iteration=k, echo=echo)
+
+        def advantage(l_cfg=l_cfg, it=it):
+            from qevolve_cli.labeling import label_tables
+
+            return _scalars(label_tables([run.path / it / "labeled.parquet"], run.path / it / "advantages.parquet",
+                                         l_cfg, critic=run.path / it / "critic"))
+
+        run.run_stage(f"{it}/advantage", advantage, inputs=[f"{it}/labeled.parquet", f"{it}/critic"],
+                      outputs=[f"{it}/advantages.parquet"], config_hash=l_cfg.hash(), iteration=k, echo=echo)
+
+        p_cfg = cfg.stage("policy", k)
+
+        def policy(p_cfg=p_cfg, it=it, prev=prev):
+            from qevolve_cli.policy.trainer import train_policy
+
+            return _scalars(train_policy(p_cfg, run.path / it / "advantages.parquet", prev, run.path / it / "policy",
+                                         ref=prev, quiet=quiet))
+
+        run.run_stage(f"{it}/policy", policy, inputs=[f"{it}/advantages.parquet", plan.policy(k - 1)],
+                      outputs=[f"{it}/policy"], config_hash=p_cfg.hash(), iteration=k, echo=echo)
+        scores[k] = _evaluate(cfg, run, k, P(plan.policy(k)), echo, quiet)
+
+    from qevolve_cli.evolve.report import build_report
+
+    return build_report(run.path, plots=True)
+
+
+def _evaluate(cfg: EvolveConfig, run: RunDir, k: int, policy: str, echo, quiet: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for split in cfg.eval_splits:
+        e_cfg = cfg.stage("rollout", max(k, 1)).replace(split=split, max_tasks=cfg.eval_max_tasks, iteration=k)
+        name = f"iter_{k}/eval_{split}"
+
+        def ev(e_cfg=e_cfg, name=name):
+            from qevolve_cli.rollout.evaluate import run_eval
+
+            m = run_eval(e_cfg, policy, run.path / f"{name}.parquet", resume=True)
+            return {"split": e_cfg.split, **_scalars(m)}
+
+        out[split] = run.run_stage(name, ev, inputs=[str(policy)], outputs=[f"{name}.parquet"],
+                                   config_hash=e_cfg.hash(), iteration=k, echo=echo)
+    return out
+
+
+def _h(*parts: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def _scalars(d: Any) -> dict[str, Any]:
+    """Keep the JSON-friendly part of a stage's metrics (nested dicts kept, long lists dropped)."""
+    if not isinstance(d, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = _scalars(v)
+        elif isinstance(v, (list, tuple)) and len(v) <= 64 and all(isinstance(x, (int, float, str, dict)) for x in v):
+            out[k] = [_scalars(x) if isinstance(x, dict) else x for x in v]
+    return out

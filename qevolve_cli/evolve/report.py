@@ -1,0 +1,203 @@
+"""`qevolve report RUN_DIR`: scores per split and iteration, environment steps, learning-curve plots.
+
+Reads only the run directory (manifest, metrics, tables); writes
+``RUN/report/report.json``, ``scores.md`` and PNG plots (``scores.png``,
+``critic_losses.png``, ``advantages.png``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qevolve_cli.atomic import atomic_path, write_json, write_text
+from qevolve_cli.errors import QevolveError
+
+
+def _manifest(run: Path) -> dict[str, Any]:
+    p = run / "manifest.json"
+    if not run.is_dir():
+        raise QevolveError(f"{run}: no such run directory")
+    if not p.exists():
+        raise QevolveError(f"{p}: no manifest (not a qevolve evolve run directory)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise QevolveError(f"{p}: corrupt manifest ({e})") from None
+
+
+def score_rows(run: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    stages = _manifest(run).get("stages", {})
+    iters = sorted({int(st.get("iteration", 0)) for st in stages.values()})
+    splits: list[str] = []
+    rows = []
+    cum = 0
+    for k in iters:
+        row: dict[str, Any] = {"iteration": k, "name": "BC" if k == 0 else f"iter {k}"}
+        ro = stages.get(f"iter_{k}/rollout", {})
+        steps = int(ro.get("metrics", {}).get("env_steps", 0)) if ro.get("status") == "done" else 0
+        cum += steps
+        row["env_steps"], row["cumulative_env_steps"] = steps, cum
+        for name, st in sorted(stages.items()):
+            if name.startswith(f"iter_{k}/eval_") and st.get("status") == "done":
+                split = name.split("eval_", 1)[1]
+                m = st.get("metrics", {})
+                row[split] = {"avg_reward": m.get("avg_reward"), "success_rate": m.get("success_rate"), "n": m.get("n")}
+                if split not in splits:
+                    splits.append(split)
+        rows.append(row)
+    rows = [r for r in rows if any(s in r for s in splits) or r["env_steps"]]
+    return rows, splits
+
+
+def _plot_scores(run: Path, rows, splits, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for s in splits:
+        xs = [r["iteration"] for r in rows if s in r]
+        ax[0].plot(xs, [100 * (r[s]["avg_reward"] or 0) for r in rows if s in r], marker="o", label=s)
+        ax[1].plot(xs, [100 * (r[s]["success_rate"] or 0) for r in rows if s in r], marker="o", label=s)
+    for a, t in zip(ax, ("average reward (%)", "success rate (%)"), strict=True):
+        a.set_xlabel("iteration (0 = BC)")
+        a.set_title(t)
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.suptitle(run.name)
+    fig.tight_layout()
+    with atomic_path(out, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def _critic_curves(run: Path) -> dict[int, dict[str, list[float]]]:
+    curves: dict[int, dict[str, list[float]]] = {}
+    for mp in sorted(run.glob("iter_*/critic/metrics.jsonl")):
+        k = int(mp.parent.parent.name.split("_")[1])
+        c: dict[str, list[float]] = {}
+        for line in mp.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            for key, v in rec.items():
+                if "loss" in key and isinstance(v, (int, float)):
+                    c.setdefault(key, []).append(float(v))
+        if c:
+            curves[k] = c
+    return curves
+
+
+def _plot_critic(curves, out: Path) -> bool:
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
+    for ax, (k, c) in zip(axes[0], sorted(curves.items()), strict=True):
+        for key, ys in c.items():
+            ax.plot(range(1, len(ys) + 1), ys, marker=".", label=key)
+        ax.set_title(f"critic losses, iteration {k}")
+        ax.set_xlabel("log record (epoch)")
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(out, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_advantages(run: Path, out: Path) -> dict[str, Any]:
+    import polars as pl
+
+    tables = sorted(run.glob("iter_*/advantages.parquet"))
+    if not tables:
+        return {}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats: dict[str, Any] = {}
+    fig, axes = plt.subplots(1, len(tables), figsize=(5 * len(tables), 3.6), squeeze=False)
+    for ax, t in zip(axes[0], tables, strict=True):
+        df = pl.read_parquet(t, columns=["source", "advantage"])
+        k = t.parent.name
+        stats[k] = {}
+        for src in ("expert", "self"):
+            a = df.filter(pl.col("source") == src)["advantage"].to_numpy()
+            if len(a):
+                ax.hist(a, bins=40, alpha=0.55, label=f"{src} (mean {a.mean():+.3f})", density=True)
+                stats[k][src] = {"mean": float(a.mean()), "positive_share": float((a > 0).mean()), "n": int(len(a))}
+        ax.set_title(f"advantage by source, {k}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return stats
+
+
+def markdown_table(rows, splits) -> str:
+    head = "| iteration | " + " | ".join(f"{s} reward | {s} success" for s in splits) + " | env steps | cumulative |"
+    sep = "|---" * (1 + 2 * len(splits) + 2) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for s in splits:
+            if s in r:
+                cells += [f"{100 * (r[s]['avg_reward'] or 0):.1f}", f"{100 * (r[s]['success_rate'] or 0):.1f}"]
+            else:
+                cells += ["", ""]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {r['env_steps']} | {r['cumulative_env_steps']} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
+    run = Path(run_dir)
+    rows, splits = score_rows(run)
+    out = run / "report"
+    out.mkdir(exist_ok=True)
+    files = []
+    adv_stats: dict[str, Any] = {}
+    if plots:
+        if rows and splits:
+            _plot_scores(run, rows, splits, out / "scores.png")
+            files.append("report/scores.png")
+        if _plot_critic(_critic_curves(run), out / "critic_losses.png"):
+            files.append("report/critic_losses.png")
+        adv_stats = _plot_advantages(run, out / "advantages.png")
+        if adv_stats:
+            files.append("report/advantages.png")
+    md = markdown_table(rows, splits)
+    write_text(out / "scores.md", md)
+    rep = {"run": str(run), "splits": splits, "rows": rows, "advantages": adv_stats, "files": files + ["report/scores.md"]}
+    write_json(out / "report.json", rep)
+    return rep
+
+
+def print_table(rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"qevolve report: {rep['run']} (average reward % / success %)")
+    t.add_column("iteration")
+    for s in rep["splits"]:
+        t.add_column(f"{s}\nreward", justify="right")
+        t.add_column(f"{s}\nsuccess", justify="right")
+    t.add_column("env steps", justify="right")
+    t.add_column("cumulative", justify="right")
+    for r in rep["rows"]:
+        cells = []
+        for s in rep["splits"]:
+            cells += ([f"{100 * (r[s]['avg_reward'] or 0):.1f}", f"{100 * (r[s]['success_rate'] or 0):.1f}"] if s in r else ["", ""])
+        t.add_row(r["name"], *cells, str(r["env_steps"]), str(r["cumulative_env_steps"]))
+    Console().print(t)

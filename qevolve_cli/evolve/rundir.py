@@ -1,0 +1,150 @@
+"""Run directory of `qevolve evolve`: manifest of stages, resolved config, metrics, logs.
+
+Layout::
+
+    RUN/
+      config.yaml          resolved EvolveConfig (written once; a resume must match it)
+      plan.sh              the equivalent shell commands
+      manifest.json        one entry per stage: status, inputs, outputs, config hash, timings, metrics
+      metrics.jsonl        one line per stage event (losses, scores, environment steps)
+      base_model/          (tiny model when the preset builds one)
+      expert.parquet
+      bc/policy/           BC warm-up
+      iter_0/eval_*.parquet  evaluation of the BC policy
+      iter_k/              rollout.parquet, labeled.parquet, critic/, advantages.parquet,
+                           policy/, eval_<split>.parquet
+      report/              `qevolve report` output
+
+A stage whose manifest status is ``done`` and whose outputs exist is never
+re-run. A stage interrupted mid-way (status ``running``) is re-run; stages
+that can resume internally (rollout journal, critic checkpoints) pick up their
+partial work.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qevolve_cli.atomic import write_json
+from qevolve_cli.errors import QevolveError
+
+MANIFEST = "manifest.json"
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest_path = self.path / MANIFEST
+        self.manifest: dict[str, Any] = {"version": 1, "stages": {}}
+        if self.manifest_path.exists():
+            try:
+                self.manifest = json.loads(self.manifest_path.read_text())
+            except json.JSONDecodeError as e:
+                raise QevolveError(f"{self.manifest_path}: corrupt manifest ({e})") from None
+        self.sinks: list[Any] = []
+
+    # ------------------------------------------------------------------ state
+    @property
+    def stages(self) -> dict[str, dict[str, Any]]:
+        return self.manifest.setdefault("stages", {})
+
+    def save(self) -> None:
+        write_json(self.manifest_path, self.manifest)
+
+    def is_done(self, name: str) -> bool:
+        st = self.stages.get(name)
+        if not st or st.get("status") != "done":
+            return False
+        return all((self.path / o).exists() for o in st.get("outputs", []))
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+        for sink in self.sinks:
+            sink(record)
+
+    def run_stage(self, name: str, fn: Callable[[], dict[str, Any] | None], *, inputs: list[str], outputs: list[str],
+                  config_hash: str, iteration: int, echo: Callable[[str], None]) -> dict[str, Any]:
+        """Run ``fn`` as stage ``name`` unless already done; record status, timings and metrics."""
+        if self.is_done(name):
+            st = self.stages[name]
+            if st.get("config_hash") != config_hash:
+                raise QevolveError(
+                    f"{self.manifest_path}: stage {name!r} was done with another configuration "
+                    f"(hash {st.get('config_hash')} != {config_hash}); use a new --run-dir"
+                )
+            echo(f"[skip] {name} (done)")
+            return st.get("metrics", {})
+        prev = self.stages.get(name, {})
+        attempt = int(prev.get("attempts", 0)) + 1
+        self.stages[name] = {
+            "stage": name, "iteration": iteration, "status": "running", "inputs": inputs, "outputs": outputs,
+            "config_hash": config_hash, "started": time.time(), "attempts": attempt,
+        }
+        self.save()
+        echo(f"[run]  {name}" + (f" (attempt {attempt}, resuming)" if attempt > 1 else ""))
+        t0 = time.perf_counter()
+        try:
+            metrics = fn() or {}
+        except BaseException as e:
+            st = self.stages[name]
+            st.update(status="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                      error=str(e).splitlines()[0] if str(e) else type(e).__name__, seconds=time.perf_counter() - t0)
+            self.save()
+            raise
+        missing = [o for o in outputs if not (self.path / o).exists()]
+        if missing:
+            raise QevolveError(f"stage {name!r} finished without writing {', '.join(missing)}")
+        st = self.stages[name]
+        st.update(status="done", finished=time.time(), seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
+        st.pop("error", None)
+        self.save()
+        self.log({"stage": name, "iteration": iteration, "seconds": st["seconds"], **_flat(metrics)})
+        return metrics
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[key] = v
+    return out
+
+
+def make_sinks(kinds: list[str], run: Path, warn: Callable[[str], None]) -> list[Callable[[dict], None]]:
+    """Optional TensorBoard / W&B sinks of the metrics stream (skipped with a warning when not installed)."""
+    sinks = []
+    for kind in kinds:
+        if kind == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            except Exception:  # noqa: BLE001
+                warn("tensorboard is not installed: --log-to tensorboard ignored (pip install tensorboard)")
+                continue
+            writer = SummaryWriter(str(run / "tensorboard"))
+
+            def tb(rec, w=writer):
+                step = int(rec.get("iteration", 0))
+                for k, v in rec.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("time", "iteration"):
+                        w.add_scalar(f"{rec.get('stage', 'run')}/{k}", v, step)
+                w.flush()
+
+            sinks.append(tb)
+        elif kind == "wandb":
+            try:
+                import wandb
+            except Exception:  # noqa: BLE001
+                warn("wandb is not installed: --log-to wandb ignored (pip install wandb)")
+                continue
+            wrun = wandb.init(project="qevolve", dir=str(run), name=run.name, resume="allow")
+            sinks.append(lambda rec, r=wrun: r.log({f"{rec.get('stage', 'run')}/{k}": v for k, v in rec.items()
+                                                    if isinstance(v, (int, float)) and not isinstance(v, bool)}))
+    return sinks

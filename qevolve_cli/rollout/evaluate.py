@@ -1,0 +1,133 @@
+"""Evaluation: greedy play of one trajectory per task, metrics per split and task type.
+
+Metrics (every number names its env and split):
+
+* ``avg_reward`` — the paper's metric: the mean final episodic reward (score in
+  [0, 1]; SciWorld partial scores count) over the trajectories of the split;
+* ``success_rate`` — share of trajectories that *completed* the task (final
+  reward >= 1). (The tables' ``success`` column of ``qevolve label`` is the
+  looser "non-zero reward" of the step weights.)
+* ``failed`` — trajectories lost to a worker crash / timeout; they count as 0.
+
+Critic reranking (``critic=DIR, candidates=N``): at every step N candidates are
+sampled and the one with the highest Q - V under the critic is played; the
+chooser comes from :func:`load_chooser` (``qevolve_cli.critic.rerank``).
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from qevolve_cli.errors import QevolveError
+from qevolve_cli.rollout.backends import Backend
+from qevolve_cli.rollout.config import RolloutConfig
+from qevolve_cli.rollout.loop import Chooser, ProgressFn, run_rollout
+
+
+def load_chooser(critic: str | Path, policy: str | Path, cfg: RolloutConfig) -> Chooser:
+    """The critic reranker: ``chooser(requests, candidates) -> [index per request]``.
+
+    Hook for ``qevolve_cli/critic/rerank.py``: it must provide
+    ``make_chooser(critic_dir, *, policy, env, device) -> Chooser`` where a
+    chooser scores each request's candidates by Q(s, a) - V(s) and returns the
+    index of the best per request.
+    """
+    if not Path(critic).is_dir():
+        raise QevolveError(f"--critic {critic}: no such directory")
+    try:
+        from qevolve_cli.critic import rerank
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("qevolve_cli.critic"):
+            raise QevolveError("--critic: critic reranking is not available in this build "
+                               "(qevolve_cli/critic/rerank.py is missing)") from None
+        raise
+    if not hasattr(rerank, "make_chooser"):
+        raise QevolveError("--critic: qevolve_cli.critic.rerank has no make_chooser(critic_dir, ...)")
+    return rerank.make_chooser(str(critic), policy=str(policy), env=cfg.env, device=cfg.device)
+
+
+def summarize(table: pl.DataFrame) -> dict[str, Any]:
+    """Per-trajectory final reward -> avg reward / success rate, overall and per task type."""
+    per = (
+        table.sort(["traj_id", "step"])
+        .group_by("traj_id", maintain_order=True)
+        .agg(
+            pl.col("reward_env").sum().alias("reward"),
+            pl.len().alias("steps"),
+            pl.col("task_type").first().fill_null("all").alias("task_type"),
+            (pl.col("error").is_not_null().any() if "error" in table.columns else pl.lit(False)).alias("failed"),
+        )
+        .with_columns(pl.when(pl.col("failed")).then(0.0).otherwise(pl.col("reward")).alias("reward"))
+        .with_columns((pl.col("reward") >= 1.0 - 1e-6).alias("completed"))
+    )
+
+    def agg(df: pl.DataFrame) -> dict[str, Any]:
+        n = df.height
+        return {
+            "n": n,
+            "avg_reward": round(float(df["reward"].mean()), 6) if n else 0.0,
+            "success_rate": round(float(df["completed"].mean()), 6) if n else 0.0,
+            "nonzero_rate": round(float((df["reward"] > 0).mean()), 6) if n else 0.0,
+            "avg_steps": round(float(df["steps"].mean()), 3) if n else 0.0,
+            "failed": int(df["failed"].sum()),
+        }
+
+    by_type = {}
+    for tt in sorted(per["task_type"].unique().to_list()):
+        by_type[tt] = agg(per.filter(pl.col("task_type") == tt))
+    return {**agg(per), "by_task_type": by_type}
+
+
+def run_eval(
+    cfg: RolloutConfig,
+    policy: str | Path,
+    out: str | Path | None = None,
+    *,
+    adapter: str | Path | None = None,
+    critic: str | Path | None = None,
+    candidates: int | None = None,
+    resume: bool = False,
+    backend: Backend | None = None,
+    chooser: Chooser | None = None,
+    on_progress: ProgressFn | None = None,
+    tasks: Sequence[Any] | None = None,
+    pool: Any = None,
+) -> dict[str, Any]:
+    """Evaluate ``policy`` (greedy, one trajectory per task) on ``cfg.split``; returns the metrics dict.
+
+    The trajectories go to ``out`` (a temporary file, deleted, when None).
+    """
+    cfg = cfg.replace(n_per_task=1, candidates=candidates or cfg.candidates)
+    if critic is not None and chooser is None:
+        if cfg.candidates < 2:
+            raise QevolveError("--critic: needs --candidates N with N >= 2")
+        chooser = load_chooser(critic, policy, cfg)
+    tmp = None
+    if out is None:
+        tmp = tempfile.TemporaryDirectory(prefix="qevolve-eval-")
+        out = Path(tmp.name) / "eval.parquet"
+    try:
+        res = run_rollout(cfg, policy, out, adapter=adapter, resume=resume, temperature=cfg.eval_temperature,
+                          backend=backend, chooser=chooser, on_progress=on_progress, tasks=tasks,
+                          producer="qevolve eval", pool=pool)
+        metrics = {
+            "env": cfg.env,
+            "split": cfg.split,
+            "policy": str(policy),
+            "adapter": str(adapter) if adapter else None,
+            "critic": str(critic) if critic else None,
+            "candidates": cfg.candidates if (critic or chooser) else 1,
+            "temperature": cfg.eval_temperature,
+            "n_tasks": res.table["task_id"].n_unique(),
+            **summarize(res.table),
+            "out": None if tmp else str(out),
+            "stats": res.stats.to_dict(),
+        }
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return metrics

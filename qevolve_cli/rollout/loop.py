@@ -1,0 +1,446 @@
+"""The batched rollout loop: the policy plays many episodes at once (continuous batching).
+
+Each round:
+
+1. **fill** — while fewer than ``workers * envs_per_worker`` episodes are live and
+   (task, sample) pairs remain, new episodes are reset in the worker pool (one
+   ``reset_many`` call for all of them);
+2. **generate** — one backend call for every live episode waiting for an action.
+   The prompt is built by :func:`qevolve_cli.transcript.build_messages` (the one
+   transcript builder); when it would exceed the context
+   (``backend.fits``), :func:`qevolve_cli.transcript.truncate` keeps the
+   instruction and the most recent turns and the step records ``truncated``;
+3. **act** — one ``act_many`` call steps every episode in the pool's worker
+   processes in parallel (format errors do not reach the environment);
+4. finished episodes (``done``, the step limit, or a worker failure) leave the
+   batch, are appended to the **journal** and new pairs join in the next fill.
+
+The journal (``<out>.journal.jsonl``, beside the output) is append-only: a
+header line, then one line per finished episode with all its rows, flushed and
+fsynced. An interrupted run keeps every finished episode; ``resume=True``
+reads the journal (a torn last line is ignored), plays only the missing
+(task, sample) pairs (and, with ``retry_failed``, the failed ones again) and
+finally writes the whole table atomically with :func:`schema.write_table`,
+then removes the journal.
+
+Sampling seeds are per (trajectory, step): ``hash(seed, traj_id, step)``, so
+with the ``hf`` backend on CPU the same seed gives the same table, and an
+episode's trajectory does not depend on which others shared its batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from qevolve_cli import schema, transcript
+from qevolve_cli.errors import QevolveError, TableError
+from qevolve_cli.rollout.backends import Backend, Request, make_backend
+from qevolve_cli.rollout.config import RolloutConfig
+
+JOURNAL_VERSION = 1
+
+# chooser(requests, candidates) -> index of the candidate to play, per request (critic reranking)
+Chooser = Callable[[Sequence[Request], Sequence[Sequence[str]]], Sequence[int]]
+ProgressFn = Callable[["RolloutStats"], None]
+
+
+@dataclass
+class RolloutStats:
+    total: int = 0  # (task, sample) pairs of the run
+    done: int = 0  # finished episodes (journal included)
+    resumed: int = 0  # of which were already in the journal
+    successes: int = 0  # episodes ending with non-zero reward
+    failed: int = 0  # episodes recorded with an error
+    steps: int = 0  # agent turns played in this process
+    rounds: int = 0
+    gen_s: float = 0.0
+    env_s: float = 0.0
+    reset_s: float = 0.0
+    wall_s: float = 0.0
+    truncated_steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def steps_per_s(self) -> float:
+        el = time.perf_counter() - self.started
+        return self.steps / el if el > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in ("total", "done", "resumed", "successes", "failed", "steps", "rounds",
+                                           "truncated_steps")}
+        d.update({k: round(getattr(self, k), 3) for k in ("gen_s", "env_s", "reset_s", "wall_s")})
+        d["steps_per_s"] = round(self.steps / self.wall_s, 3) if self.wall_s > 0 else 0.0
+        return d
+
+
+def journal_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".journal.jsonl")
+
+
+def traj_id_of(env: str, split: str, task_id: str, iteration: int, sample: int) -> str:
+    return f"{split}/it{iteration}/s{sample}/{task_id}"
+
+
+def step_seed(seed: int, traj_id: str, step: int) -> int:
+    h = hashlib.sha256(f"{seed}\x00{traj_id}\x00{step}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass
+class _Episode:
+    key: tuple[str, int]
+    task: Any
+    traj_id: str
+    instruction: str = ""
+    max_steps: int = 0
+    observations: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Journal:
+    """Append-only JSON-lines record of finished episodes (one fsynced line each)."""
+
+    def __init__(self, path: Path, header: dict[str, Any], resume: bool):
+        self.path = path
+        self.header = header
+        self.episodes: dict[str, dict[str, Any]] = {}  # traj_id -> record (last one wins)
+        if resume and path.exists():
+            self._load()
+            self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            self._write(header)
+
+    def _load(self) -> None:
+        lines = self.path.read_text(encoding="utf-8").split("\n")
+        good_bytes = 0
+        for i, line in enumerate(lines):
+            if not line.strip():
+                good_bytes += len(line.encode()) + 1
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                if i >= len(lines) - 2:  # torn last line of a killed run
+                    break
+                raise QevolveError(f"{self.path}: line {i + 1}: corrupt journal record") from None
+            good_bytes += len(line.encode()) + 1
+            if i == 0 or rec.get("kind") == "header":
+                self._check_header(rec, i + 1)
+                continue
+            if rec.get("kind") == "episode":
+                self.episodes[rec["traj_id"]] = rec
+        # cut a torn tail so appended records start on a fresh line
+        size = self.path.stat().st_size
+        if good_bytes < size:
+            with open(self.path, "r+b") as f:
+                f.truncate(good_bytes)
+
+    def _check_header(self, rec: dict[str, Any], lineno: int) -> None:
+        if rec.get("kind") != "header":
+            raise QevolveError(f"{self.path}: line {lineno}: not a rollout journal (no header)")
+        for k in ("env", "split", "iteration", "source"):
+            if rec.get(k) != self.header.get(k):
+                raise QevolveError(
+                    f"{self.path}: the unfinished rollout has {k}={rec.get(k)!r}, this run {k}="
+                    f"{self.header.get(k)!r}; resume with the same settings or delete the journal")
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def add(self, traj_id: str, rows: list[dict[str, Any]], error: str | None) -> None:
+        rec = {"kind": "episode", "traj_id": traj_id, "error": error, "rows": rows}
+        self._write(rec)
+        self.episodes[traj_id] = rec
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.f.close()
+
+
+def _row(ep: _Episode, cfg: RolloutConfig, source: str, step: int, **kw: Any) -> dict[str, Any]:
+    t = ep.task
+    return {
+        "traj_id": ep.traj_id, "env": cfg.env, "task_id": t.task_id, "split": cfg.split, "source": source,
+        "iteration": cfg.iteration, "step": step, "instruction": ep.instruction,
+        "task_type": t.task_type, "sample": ep.key[1], **kw,
+    }
+
+
+def _failed_placeholder(ep: _Episode, cfg: RolloutConfig, source: str, error: str) -> list[dict[str, Any]]:
+    """The one row of an episode that failed before its first step (keeps the reason in the table)."""
+    return [_row(ep, cfg, source, 0, observation=ep.observations[0] if ep.observations else "", action="",
+                 command=None, next_observation="", reward_env=0.0, done=True, truncated=False, error=error)]
+
+
+def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    cols = {**schema.BASE_COLUMNS, "error": pl.String(), "truncated": pl.Boolean(), "task_type": pl.String(),
+            "sample": pl.Int32()}
+    return pl.DataFrame(rows, schema=cols)
+
+
+def _collect(journal: Journal, keys: Sequence[str]) -> pl.DataFrame:
+    rows: list[dict[str, Any]] = []
+    for tid in keys:
+        rec = journal.episodes.get(tid)
+        if rec is None:
+            continue
+        rows.extend(rec["rows"])
+    return rows_to_frame(rows)
+
+
+def play(
+    cfg: RolloutConfig,
+    backend: Backend,
+    tasks: Sequence[Any],
+    *,
+    temperature: float,
+    journal: Journal,
+    source: str = "self",
+    chooser: Chooser | None = None,
+    on_progress: ProgressFn | None = None,
+    stats: RolloutStats | None = None,
+    pool: Any = None,
+) -> RolloutStats:
+    """Play every missing (task, sample) pair of ``tasks`` x ``range(n_per_task)`` into ``journal``.
+
+    ``pool``: an open :class:`EnvPool` of ``cfg.env`` to reuse (kept open); by default a pool of
+    ``cfg.workers`` x ``cfg.envs_per_worker`` is started and closed here.
+    """
+    from qevolve_cli.envs.pool import EnvPool
+    from qevolve_cli.envs.prompts import instruction_prompt
+
+    st = stats or RolloutStats()
+    t_start = time.perf_counter()
+    system = instruction_prompt(cfg.env)
+    siu = transcript.needs_system_in_user(backend.tokenizer) if backend.tokenizer is not None else False
+    pairs: list[_Episode] = []
+    for s in range(cfg.n_per_task):
+        for t in tasks:
+            tid = traj_id_of(cfg.env, cfg.split, t.task_id, cfg.iteration, s)
+            pairs.append(_Episode(key=(t.task_id, s), task=t, traj_id=tid))
+    st.total = len(pairs)
+    pending: list[_Episode] = []
+    for ep in pairs:
+        rec = journal.episodes.get(ep.traj_id)
+        if rec is not None and not (rec.get("error") and cfg.retry_failed):
+            st.done += 1
+            st.resumed += 1
+            st.successes += int(_episode_reward(rec["rows"]) > 0)
+            st.failed += int(bool(rec.get("error")))
+        else:
+            pending.append(ep)
+    if on_progress:
+        on_progress(st)
+    if not pending:
+        return st
+    pending.reverse()  # pop() from the end keeps the (sample, task) order
+    live: dict[tuple[str, int], _Episode] = {}
+
+    def finish(ep: _Episode, error: str | None) -> None:
+        rows = ep.rows or _failed_placeholder(ep, cfg, source, error or "no steps")
+        if error:
+            for r in rows:
+                r["error"] = error
+        journal.add(ep.traj_id, rows, error)
+        st.done += 1
+        st.failed += int(bool(error))
+        st.successes += int(_episode_reward(rows) > 0 and not error)
+        live.pop(ep.key, None)
+
+    if pool is not None and getattr(pool, "env_name", cfg.env) != cfg.env:
+        raise QevolveError(f"the environment pool runs {pool.env_name!r}, the rollout needs {cfg.env!r}")
+    own_pool = pool is None
+    if own_pool:
+        pool = EnvPool(cfg.env, workers=cfg.workers, envs_per_worker=cfg.envs_per_worker, timeout_s=cfg.env_timeout_s)
+    with pool if own_pool else contextlib.nullcontext(pool):
+        try:
+            _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature, source, chooser,
+                    on_progress, st, t_start)
+        finally:
+            if live and not own_pool:  # interrupted: free the slots of a borrowed pool
+                with contextlib.suppress(Exception):
+                    pool.release(list(live))
+    st.wall_s = time.perf_counter() - t_start
+    return st
+
+
+def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature, source, chooser, on_progress,
+            st, t_start) -> None:
+    from qevolve_cli.envs.pool import Failure
+
+    capacity = pool.capacity
+    while pending or live:
+        # 1. fill the batch
+        new: list[_Episode] = []
+        while pending and len(live) + len(new) < capacity:
+            new.append(pending.pop())
+        if new:
+            t0 = time.perf_counter()
+            res = pool.reset_many([(ep.key, ep.task) for ep in new], max_steps=cfg.max_steps or None)
+            st.reset_s += time.perf_counter() - t0
+            for ep in new:
+                r = res.get(ep.key)
+                if r is None or isinstance(r, Failure):
+                    live[ep.key] = ep
+                    finish(ep, getattr(r, "error", None) or "reset failed")
+                    continue
+                ep.instruction = r.instruction
+                ep.observations = [r.observation]
+                ep.max_steps = cfg.max_steps if cfg.max_steps > 0 else int(r.max_steps or 0)
+                live[ep.key] = ep
+            if on_progress:
+                on_progress(st)
+        if not live:
+            continue
+        # 2. one generation call for every live episode
+        eps = list(live.values())
+        reqs: list[Request] = []
+        trunc: list[bool] = []
+        for ep in eps:
+            msgs = transcript.build_messages(system, ep.instruction, ep.observations, ep.actions, siu)
+            tr = transcript.truncate(msgs, backend.fits, siu)
+            trunc.append(tr.truncated or not backend.fits(tr.messages))
+            seed = step_seed(cfg.seed, ep.traj_id, len(ep.actions))
+            reqs.append(Request(tr.messages, seed=seed, n=cfg.candidates if chooser else 1))
+        t0 = time.perf_counter()
+        if chooser is not None and cfg.candidates > 1:
+            cands = backend.generate(reqs, temperature=cfg.candidate_temperature, top_p=cfg.top_p)
+            picks = chooser(reqs, cands)
+            outs = [c[int(i)] for c, i in zip(cands, picks, strict=True)]
+        else:
+            outs = [o[0] for o in backend.generate(reqs, temperature=temperature, top_p=cfg.top_p)]
+        st.gen_s += time.perf_counter() - t0
+        # 3. step every episode in the pool
+        t0 = time.perf_counter()
+        results = pool.act_many([(ep.key, out) for ep, out in zip(eps, outs, strict=True)])
+        st.env_s += time.perf_counter() - t0
+        st.rounds += 1
+        release = []
+        for ep, out, tr_flag in zip(eps, outs, trunc, strict=True):
+            r = results.get(ep.key)
+            if r is None or isinstance(r, Failure):
+                finish(ep, getattr(r, "error", None) or "no result from the environment worker")
+                continue
+            step = len(ep.actions)
+            done = bool(r.done)
+            reward = float(r.reward)
+            hit_limit = ep.max_steps > 0 and step + 1 >= ep.max_steps and not done
+            if hit_limit:  # our own (smaller) step limit: end like the env's limit does
+                done = True
+                reward = float((r.info or {}).get("score", 0.0))
+                release.append(ep.key)
+            ep.rows.append(_row(ep, cfg, source, step, observation=ep.observations[-1], action=out,
+                                command=r.command, next_observation=r.observation, reward_env=reward,
+                                done=done, truncated=tr_flag, error=None))
+            ep.actions.append(out)
+            ep.observations.append(r.observation)
+            st.steps += 1
+            st.truncated_steps += int(tr_flag)
+            if done:
+                finish(ep, None)
+        if release:
+            pool.release(release)
+        st.wall_s = time.perf_counter() - t_start
+        if on_progress:
+            on_progress(st)
+
+
+def _episode_reward(rows: Sequence[dict[str, Any]]) -> float:
+    return float(sum(float(r.get("reward_env") or 0.0) for r in rows))
+
+
+@dataclass
+class RolloutResult:
+    table: pl.DataFrame
+    stats: RolloutStats
+    out: Path | None
+
+
+def run_rollout(
+    cfg: RolloutConfig,
+    policy: str | Path,
+    out: str | Path,
+    *,
+    adapter: str | Path | None = None,
+    resume: bool = False,
+    source: str = "self",
+    temperature: float | None = None,
+    backend: Backend | None = None,
+    chooser: Chooser | None = None,
+    on_progress: ProgressFn | None = None,
+    tasks: Sequence[Any] | None = None,
+    producer: str = "qevolve rollout",
+    pool: Any = None,
+) -> RolloutResult:
+    """Collect ``n_per_task`` trajectories per task of ``cfg.split`` into the table ``out``.
+
+    ``pool`` (an open ``EnvPool``) and ``backend`` may be passed to reuse warm workers and a loaded
+    model across calls (the evolve loop, benchmarks). ``resume=True`` continues an interrupted run from its journal (and returns
+    at once, reading ``out``, when it is already complete). Returns the
+    table (validated), the stats and the output path.
+    """
+    from qevolve_cli.envs.splits import list_tasks
+
+    out = Path(out)
+    jpath = journal_path(out)
+    if resume and out.exists() and not jpath.exists():
+        table = schema.read_table(out)
+        st = RolloutStats(total=table["traj_id"].n_unique(), done=table["traj_id"].n_unique())
+        st.resumed = st.done
+        return RolloutResult(table, st, out)
+    if out.exists() and out.is_dir():
+        raise TableError(out, None, "is a directory, expected a Parquet file path")
+    if tasks is None:
+        tasks = list_tasks(cfg.env, cfg.split, limit=cfg.max_tasks or None)
+    if not tasks:
+        raise QevolveError(f"{cfg.env}/{cfg.split}: no tasks")
+    temp = cfg.temperature if temperature is None else temperature
+    header = {"kind": "header", "version": JOURNAL_VERSION, "env": cfg.env, "split": cfg.split,
+              "iteration": cfg.iteration, "source": source, "policy": str(policy),
+              "adapter": str(adapter) if adapter else None, "config": cfg.to_dict()}
+    own_backend = backend is None
+    if backend is None:
+        backend = make_backend(cfg.backend, policy, adapter, base_url=cfg.base_url, served_model=cfg.served_model or None,
+                               max_context=cfg.max_context, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+                               device=cfg.device, dtype=cfg.dtype, batch_size=cfg.gen_batch_size,
+                               timeout_s=cfg.request_timeout_s, threads=cfg.threads)
+    journal = Journal(jpath, header, resume=resume)
+    try:
+        st = play(cfg, backend, tasks, temperature=temp, journal=journal, source=source, chooser=chooser,
+                  on_progress=on_progress, pool=pool)
+    finally:
+        journal.close()
+        if own_backend:
+            backend.close()
+    order = [traj_id_of(cfg.env, cfg.split, t.task_id, cfg.iteration, s)
+             for s in range(cfg.n_per_task) for t in tasks]
+    table = _collect(journal, order)
+    schema.write_table(table, out, producer=producer)
+    from qevolve_cli.config import dump_yaml
+
+    dump_yaml({**cfg.to_dict(), "policy": str(policy), "adapter": str(adapter) if adapter else None,
+               "temperature_used": temp, "source": source}, config_path(out))
+    with contextlib.suppress(FileNotFoundError):
+        jpath.unlink()
+    return RolloutResult(schema.validate(table, out), st, out)
+
+
+def config_path(out: str | Path) -> Path:
+    """The resolved config written beside an output table (``<out>.config.yaml``)."""
+    out = Path(out)
+    return out.with_name(out.name + ".config.yaml")

@@ -1,0 +1,301 @@
+"""Critic model, data layout, scoring, weights switches and resume (tiny real model, real PEFT, CPU)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from qevolve_cli import core, schema
+from qevolve_cli.critic.config import CriticConfig, load_critic_config
+from qevolve_cli.critic.data import attach_targets, build_items, collate, step_weights_for
+from qevolve_cli.critic.model import ADAPTERS, CriticModel, pool_last_token
+from qevolve_cli.critic.score import score_table
+from qevolve_cli.labeling import process_rewards
+from qevolve_cli.critic.trainer import CriticTrainer, load_tokenizer, pad_id_of, train_critic
+from qevolve_cli.training import lr_lambda
+from qevolve_cli.errors import ConfigError, TableError
+from qevolve_cli.synthetic import synthetic_table
+
+SMALL = dict(lora_rank=4, head_hidden=16, device="cpu", checkpoint=False, warmup_ratio=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def labelled(n_traj=4, mean_steps=4, seed=0, obs_words=8) -> pl.DataFrame:
+    df = schema.sort_steps(synthetic_table(n_traj, mean_steps=mean_steps, obs_words=obs_words, env="textcraft",
+                                           seed=seed))
+    offs = core.offsets(df)
+    succ = core.trajectory_success(offs, df["reward_env"])
+    aux = pl.Series("reward_aux", np.where(np.arange(df.height) % 3 == 0, -0.2, 0.0), pl.Float32)
+    return df.with_columns(aux, pl.lit("none").alias("aux_kind"), core.broadcast(offs, succ, "success"),
+                           core.step_weights(offs, succ, df.height))
+
+
+@pytest.fixture(scope="module")
+def critic_and_items(tiny_model_dir):
+    cfg = CriticConfig(**SMALL)
+    df = labelled()
+    tok = load_tokenizer(tiny_model_dir)
+    items = build_items(df, tok)
+    attach_targets(items, df, cfg)
+    return CriticModel.create(tiny_model_dir, cfg), items, tok, df, cfg
+
+
+def test_three_adapters_share_one_frozen_backbone(critic_and_items, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    c, *_ = critic_and_items
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    n_base = sum(p.numel() for p in base.parameters())
+    names = dict(c.backbone.named_parameters())
+    non_lora = [p for n, p in names.items() if "lora_" not in n]
+    assert sum(p.numel() for p in non_lora) == n_base  # no copy of the base model
+    assert all(not p.requires_grad for p in non_lora)
+    sizes = {a: sum(p.numel() for _, p in c.adapter_params(a)) for a in ADAPTERS}
+    assert len(set(sizes.values())) == 1 and sizes["value"] > 0
+    # switching adapters changes the hidden states, the base weights stay the same tensors
+    ids = torch.tensor([[5, 6, 7, 8]])
+    att = torch.ones_like(ids)
+    ptrs = [p.data_ptr() for p in non_lora]
+    with torch.no_grad():
+        for _, p in c.adapter_params("q"):
+            if "lora_B" in _:
+                p.add_(0.5)
+        hv = c.hidden("value", ids, att)
+        hq = c.hidden("q", ids, att)
+        for _, p in c.adapter_params("q"):
+            if "lora_B" in _:
+                p.sub_(0.5)
+    assert not torch.allclose(hv, hq)
+    assert [p.data_ptr() for p in non_lora] == ptrs
+
+
+def test_one_forward_per_trajectory_equals_one_forward_per_prefix(critic_and_items):
+    c, items, tok, _df, _cfg = critic_and_items
+    pad = pad_id_of(tok)
+    picks = [(i, np.arange(items[i].n_steps)) for i in range(len(items))]
+    with torch.no_grad():
+        b = collate(items, picks, pad)
+        (h_s, h_sa, h_n) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s, b.pos_sa, b.pos_next)
+        naive = collate(items, picks, pad, per_step=True)  # one row per step, cut at its own pos_next
+        (n_s,) = c.pooled("value", naive.input_ids, naive.attention_mask, naive.pos_s)
+    assert b.input_ids.shape[0] == len(items) and naive.input_ids.shape[0] == sum(it.n_steps for it in items)
+    flat = torch.cat([h_s[r, : len(st)] for r, (_, st) in enumerate(b.steps)])
+    assert torch.allclose(flat, n_s[:, 0], atol=1e-5)
+    # a single prefix forwarded alone (no padding) gives the same pooled state
+    it = items[0]
+    t = 1
+    ids = torch.as_tensor(it.input_ids[: it.pos_sa[t] + 1]).unsqueeze(0)
+    with torch.no_grad():
+        alone = c.hidden("value", ids, torch.ones_like(ids))[0, -1]
+    assert torch.allclose(alone, h_sa[0, t], atol=1e-5)
+    # positions are the prefix module's slow reference (render prefix, encode, length - 1)
+    from qevolve_cli.prefix import reference_positions
+
+    ref = reference_positions(_df, tok).filter(pl.col("traj_id") == it.traj_id).sort("step")
+    assert ref["pos_next"].to_list() == it.pos_next.tolist()
+
+
+def test_pool_last_token_gathers():
+    h = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    pos = torch.tensor([[0, 4], [2, 2]])
+    out = pool_last_token(h, pos)
+    assert torch.equal(out[0, 1], h[0, 4]) and torch.equal(out[1, 0], h[1, 2])
+
+
+def test_model_ema_update_is_exact(critic_and_items):
+    c, *_ = critic_and_items
+    q = dict(c.adapter_params("q"))
+    qt = dict(c.adapter_params("q_target"))
+    with torch.no_grad():
+        for p in q.values():
+            p.add_(torch.randn_like(p))
+        for p in c.heads["q1"].parameters():
+            p.add_(1.0)
+    old_t = {k: v.detach().clone() for k, v in qt.items()}
+    old_h = [p.detach().clone() for p in c.heads["q1_target"].parameters()]
+    c.ema_update(0.005)
+    for k in q:
+        assert torch.allclose(qt[k], 0.995 * old_t[k] + 0.005 * q[k], rtol=1e-6, atol=1e-7)
+    for o, p, t in zip(old_h, c.heads["q1"].parameters(), c.heads["q1_target"].parameters(), strict=True):
+        assert torch.allclose(t, 0.995 * o + 0.005 * p, rtol=1e-6, atol=1e-7)
+    c.hard_update_target()  # restore for other tests
+    for k in q:
+        assert torch.equal(qt[k], q[k])
+
+
+def test_updates_touch_only_their_own_parameters(critic_and_items):
+    c, items, tok, _df, cfg = critic_and_items
+    tr = CriticTrainer(c, cfg.replace(lr=1e-2), items, pad_id_of(tok))
+    b = collate(items, [(i, np.arange(items[i].n_steps)) for i in range(len(items))], pad_id_of(tok))
+    snap = lambda: {n: p.detach().clone() for n, p in c.named_parameters()}  # noqa: E731
+    before = snap()
+    tr.q_update(b)
+    after = snap()
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all((".q." in n) or n.startswith(("heads.q1.", "heads.q2.")) for n in changed), changed
+    tr.v_update(b)
+    after2 = snap()
+    changed = {n for n in after if not torch.equal(after[n], after2[n])}
+    assert changed and all((".value." in n) or n.startswith("heads.v.") for n in changed), changed
+
+
+def test_weight_switches_and_shaping():
+    df = labelled(n_traj=5, seed=3)
+    on = CriticConfig()
+    assert np.array_equal(step_weights_for(df, on), df["weight"].to_numpy())
+    assert np.all(step_weights_for(df, on.replace(weighted=False)) == 1.0)
+    no_t = step_weights_for(df, on.replace(weight_temporal=False))
+    no_s = step_weights_for(df, on.replace(weight_success=False))
+    for r, wt, ws in zip(df.iter_rows(named=True), no_t, no_s, strict=True):
+        T = df.filter(pl.col("traj_id") == r["traj_id"]).height
+        d = 1.0 if r["success"] else 0.0
+        assert wt == pytest.approx(d * 0.5 + 0.5)
+        assert ws == pytest.approx((r["step"] + 1) / T * 0.5 + 0.5)
+    # shuffled rows: weights follow their rows
+    perm = df.sample(fraction=1.0, shuffle=True, seed=1)
+    assert np.allclose(step_weights_for(perm, on.replace(weight_success=False)),
+                       perm.join(df.with_columns(pl.Series("w2", no_s)), on=["traj_id", "step"], maintain_order="left")["w2"].to_numpy())
+
+
+def test_shaping_switch_sets_the_td_reward(critic_and_items):
+    _c, items, tok, df, cfg = critic_and_items
+    its = build_items(df, tok)
+    attach_targets(its, df, cfg.replace(shaping=False))
+    r_env = df["reward_env"].to_numpy()
+    aux = df["reward_aux"].to_numpy()
+    assert np.allclose(np.concatenate([it.reward for it in its]), np.concatenate([r_env[it.rows] for it in its]))
+    attach_targets(its, df, cfg)
+    assert np.allclose(np.concatenate([it.reward for it in its]),
+                       np.concatenate([(r_env + aux)[it.rows] for it in its]))
+    with pytest.raises(TableError, match="reward_aux"):
+        attach_targets(its, df.drop("reward_aux"), cfg)
+
+
+def test_process_reward_variants():
+    hand = pl.DataFrame({"traj_id": ["a", "a"], "reward_env": [0.0, 1.0], "value": [0.5, 0.8],
+                         "next_value": [0.8, 9.0], "done": [False, True], "q_value": [1.0, 0.0]},
+                        schema_overrides={"reward_env": pl.Float32, "value": pl.Float32, "next_value": pl.Float32})
+    assert np.allclose(process_rewards(hand, "td", gamma=0.9).to_numpy(), [0.9 * 0.8 - 0.5, 1.0 - 0.8])
+    assert np.allclose(process_rewards(hand, "q_minus_v").to_numpy(), [0.5, -0.8])
+    df = labelled(n_traj=3)
+    rng = np.random.default_rng(0)
+    df = df.with_columns(pl.Series("value", rng.random(df.height), pl.Float32),
+                         pl.Series("next_value", rng.random(df.height), pl.Float32),
+                         pl.Series("q_value", rng.random(df.height), pl.Float32))
+    td = process_rewards(df, "td", gamma=0.9).to_numpy()
+    gae0 = core.gae(core.offsets(df), df["reward_env"], df["value"],
+                    df.select(pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value")))
+                    .to_series().cast(pl.Float32), df["done"], 0.9, 0.0).to_numpy()
+    assert np.allclose(td, gae0, atol=1e-6)  # r + gamma V' - V is GAE with lambda = 0
+    g = process_rewards(df, "gae", 0.9, 0.95).to_numpy()
+    ga = process_rewards(df, "gae_aux", 0.9, 0.95).to_numpy()
+    assert not np.allclose(g, ga)  # r_aux enters only the _aux variant
+    assert np.allclose(process_rewards(df, "q_minus_v").to_numpy(), (df["q_value"] - df["value"]).to_numpy())
+
+
+def test_lr_schedule():
+    assert lr_lambda(0, 100, 10, "cosine") == pytest.approx(0.1)
+    assert lr_lambda(9, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_lambda(10, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_lambda(55, 100, 10, "cosine") == pytest.approx(0.5)
+    assert lr_lambda(55, 100, 10, "linear") == pytest.approx(0.5)
+    assert lr_lambda(99, 100, 0, "constant") == 1.0
+
+
+def test_config_presets_and_errors(tmp_path):
+    it2 = load_critic_config(preset="iter2")
+    assert (it2.epochs, it2.lr, it2.gamma, it2.ema_lambda, it2.ema_every) == (2, 5e-6, 0.95, 0.005, 2)
+    assert load_critic_config(preset="iter1").epochs == 20 and CriticConfig().epochs == 20
+    assert load_critic_config(preset="no_wiql").weighted is False
+    bad = tmp_path / "c.yaml"
+    bad.write_text("expectile: 1.5\n")
+    with pytest.raises(ConfigError, match="expectile"):
+        load_critic_config(bad)
+    with pytest.raises(ConfigError, match="nope"):
+        load_critic_config(preset="nope")
+
+
+def test_train_save_load_score_and_resume(tiny_model_dir, tmp_path):
+    df = labelled(n_traj=3, mean_steps=3, seed=2)
+    cfg = CriticConfig(epochs=3, lr=1e-3, batch_size=2, steps_per_traj=2, **{**SMALL, "checkpoint": True})
+    full = train_critic(cfg, df, tiny_model_dir, tmp_path / "full")
+    out = tmp_path / "full"
+    for a in ADAPTERS:
+        assert (out / "adapters" / a / "adapter_config.json").is_file()
+        assert (out / "adapters" / a / "adapter_model.safetensors").is_file()
+    assert load_critic_config(out / "config.yaml") == cfg
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in lines] == [1, 2, 3]
+    assert all(m["transitions"] > 0 and m["loss_q"] is not None for m in lines)
+    assert not (tmp_path / "full.partial").exists()
+
+    # interrupted during epoch 3: the output is not written, the partial checkpoint holds 2 epochs
+    calls = {"n": 0}
+
+    def factory(total):
+        def cb(adv, info):
+            calls["n"] += adv
+            if calls["n"] > 4:  # 2 batches per epoch -> interrupt in the third epoch
+                raise KeyboardInterrupt
+        return cb
+
+    with pytest.raises(KeyboardInterrupt):
+        train_critic(cfg, df, tiny_model_dir, tmp_path / "res", progress=factory)
+    assert not (tmp_path / "res").exists()
+    assert json.loads((tmp_path / "res.partial" / "progress.json").read_text())["epochs_done"] == 2
+    resumed = train_critic(cfg, df, tiny_model_dir, tmp_path / "res")
+    assert resumed["resumed_from_epoch"] == 2
+    assert resumed["metrics"][-1]["loss_q"] == pytest.approx(full["metrics"][-1]["loss_q"], rel=1e-5)
+
+    # the resumed critic scores exactly like the uninterrupted one; next_value is 0 after terminal steps
+    a = score_table(df, out, device="cpu")
+    b = score_table(df, tmp_path / "res", device="cpu")
+    assert np.allclose(a["value"].to_numpy(), b["value"].to_numpy(), atol=1e-5)
+    assert (a.filter(pl.col("done"))["next_value"] == 0).all()
+    # row order kept, shuffled input gives the same per-row scores
+    perm = df.sample(fraction=1.0, shuffle=True, seed=4)
+    c = score_table(perm, out, device="cpu")
+    j = c.join(a.select("traj_id", "step", pl.col("value").alias("v0")), on=["traj_id", "step"], maintain_order="left")
+    assert np.allclose(j["value"].to_numpy(), j["v0"].to_numpy(), atol=1e-5)
+    assert c["traj_id"].to_list() == perm["traj_id"].to_list()
+
+
+def test_bad_tables_fail_with_one_line(tiny_model_dir, tmp_path):
+    df = labelled(n_traj=2, mean_steps=2)
+    cfg = CriticConfig(epochs=1, **SMALL)
+    with pytest.raises(TableError, match="reward_aux"):
+        train_critic(cfg, df.drop("reward_aux"), tiny_model_dir, tmp_path / "x")
+    failed = df.with_columns(pl.lit("worker crashed").alias("error"))
+    with pytest.raises(TableError, match="failed"):
+        train_critic(cfg, failed, tiny_model_dir, tmp_path / "x")
+    tok = load_tokenizer(tiny_model_dir)
+    from qevolve_cli.prefix import add_prefix_positions
+
+    idx = add_prefix_positions(df, tok).with_columns((pl.col("pos_next") + 10_000).alias("pos_next"))
+    with pytest.raises(TableError, match="pos_next"):
+        build_items(idx, tok)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_critic_trains_and_scores_on_gpu_bf16(tiny_model_dir, tmp_path):
+    df = labelled(n_traj=3, mean_steps=3, seed=5)
+    cfg = CriticConfig(epochs=2, lr=1e-3, lora_rank=4, head_hidden=16, device="cuda", dtype="bfloat16",
+                       gradient_checkpointing=True, checkpoint=False)
+    s = train_critic(cfg, df, tiny_model_dir, tmp_path / "c")
+    assert np.isfinite(s["metrics"][-1]["loss_q"])
+    sc = score_table(df, tmp_path / "c", device="cuda")
+    assert np.isfinite(sc["value"].to_numpy()).all()
+    cpu = score_table(df, tmp_path / "c", device="cpu")
+    assert np.allclose(sc["value"].to_numpy(), cpu["value"].to_numpy(), atol=0.05)

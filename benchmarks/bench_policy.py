@@ -75,11 +75,10 @@ def _run_baseline(data, model, threads, epochs, q):
     import polars as pl
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from qevolve_cli.policy.data import build_examples, collate
     from qevolve_cli.training import token_budget_batches
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(threads)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from qevolve_cli.critic.config import CRITIC_REDUCTIONS  # torch-free constant shared with the config
+
 # ---- policy losses ----
 #
 # Shapes: logp, logp_old, logp_ref, advantages, token_weights, mask: (B, T),
@@ -182,7 +184,6 @@ def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Te
 # anything (even NaN): they are selected away with ``torch.where`` and never
 # reach the loss or its gradient.
 
-CRITIC_REDUCTIONS = ("traj_sum", "sum", "mean")
 
 
 def expectile_loss(diff: torch.Tensor, m: float) -> torch.Tensor:

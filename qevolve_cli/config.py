@@ -180,6 +180,32 @@ def load_config(cls: type[T], path: str | Path | None = None, section: str | Non
     return cls.from_dict(data, source=source)
 
 
+def load_preset_config(cls: type[T], path: str | Path | None, preset: str | None,
+                       overrides: dict[str, Any] | None, default_path: Path) -> T:
+    """``cls`` from ``path`` + ``preset`` + overrides, where ``path`` is a flat mapping or a presets file.
+
+    A presets file (like ``configs/policy.yaml``) maps names to partial configs;
+    every preset inherits its ``default`` section, which is also used when no
+    preset is named. Naming a preset without a file reads ``default_path``.
+    """
+    if path is None and preset is not None:
+        path = default_path
+    if path is None:
+        return load_config(cls, None, None, overrides)
+    data = load_yaml(path)
+    is_presets = bool(data) and all(isinstance(v, dict) for v in data.values())
+    if not is_presets:
+        if preset is not None:
+            raise ConfigError(path, preset, "the file has no named presets")
+        return load_config(cls, path, None, overrides)
+    name = preset or "default"
+    if name not in data:
+        raise ConfigError(path, name, f"no such preset (known: {', '.join(sorted(data))})")
+    merged = {**data.get("default", {}), **data[name]}
+    merged = {**merged, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return cls.from_dict(merged, source=path)
+
+
 def dump_yaml(obj: ConfigBase | dict[str, Any], path: str | Path) -> None:
     import yaml
 

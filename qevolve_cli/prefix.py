@@ -137,7 +137,7 @@ class _Skeletons:
         msgs = [{"role": r, "content": f"{_SENT_A}{i}{_SENT_B}"} for i, r in enumerate(self.roles(n))]
         full = _render(self.tok, msgs)
         lits, ends, starts, pos = [], [], [], 0
-        for i, m in enumerate(msgs):
+        for m in msgs:
             s = m["content"]
             at = full.find(s, pos)
             if at < 0 or full.count(s) != 1:
@@ -184,7 +184,7 @@ class _Skeletons:
         text = "".join(parts)
         n = len(contents)
         if check:  # first real trajectory of this shape (or trimmed contents): compare with the real render
-            real = _render(self.tok, [{"role": r, "content": c} for r, c in zip(self.roles(n), real_contents)])
+            real = _render(self.tok, [{"role": r, "content": c} for r, c in zip(self.roles(n), real_contents, strict=False)])
             if real != text:
                 if real_contents is contents:
                     self._cache[n] = None
@@ -274,7 +274,7 @@ def reference_positions(df: pl.DataFrame, tokenizer_dir_or_obj: Any, max_length:
     offs = _traj_offsets(df)
     cols = {c: df[c].to_list() for c in ("env", "instruction", "observation", "action", "next_observation")}
     rows: list[tuple] = []
-    for a, b in zip(offs[:-1], offs[1:]):
+    for a, b in zip(offs[:-1], offs[1:], strict=False):
         msgs = _messages(cols["env"][a], cols["instruction"][a], cols["observation"][a:b], cols["action"][a:b],
                          cols["next_observation"][a:b], siu)
         rows.extend(_slow_trajectory(tok, msgs, int(b - a), siu, max_length))
@@ -282,9 +282,9 @@ def reference_positions(df: pl.DataFrame, tokenizer_dir_or_obj: Any, max_length:
 
 
 def _attach(df: pl.DataFrame, rows: Sequence[tuple]) -> pl.DataFrame:
-    arr = list(zip(*rows)) if rows else [[] for _ in OUT_COLUMNS]
+    arr = list(zip(*rows, strict=False)) if rows else [[] for _ in OUT_COLUMNS]
     new = []
-    for name, vals in zip(OUT_COLUMNS, arr):
+    for name, vals in zip(OUT_COLUMNS, arr, strict=False):
         dt = pl.Boolean if name == "truncated" else pl.Int32
         new.append(pl.Series(name, list(vals), dtype=dt))
     return df.drop([c for c in OUT_COLUMNS if c in df.columns]).with_columns(new)
@@ -445,7 +445,7 @@ def tokenize_trajectories(df: pl.DataFrame, tokenizer_dir_or_obj: Any) -> pl.Dat
     cols = {c: df[c].to_list() for c in ("traj_id", "env", "instruction", "observation", "action",
                                          "next_observation", "window", "dropped_turns", "seq_len")}
     keys, texts, lens = [], [], []
-    for a, b in zip(offs[:-1], offs[1:]):
+    for a, b in zip(offs[:-1], offs[1:], strict=False):
         a, b = int(a), int(b)
         msgs = _messages(cols["env"][a], cols["instruction"][a], cols["observation"][a:b], cols["action"][a:b],
                          cols["next_observation"][a:b], siu)

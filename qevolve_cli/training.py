@@ -428,7 +428,7 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                     agg: dict[str, float] = {}
                     loss_acc = 0.0
                     ntok = 0
-                    for m, w in zip(mine, weights):
+                    for m, w in zip(mine, weights, strict=False):
                         ctx = {"device": backend.device, "epoch": epoch, "step": step, "autocast": backend.autocast}
                         with backend.autocast():
                             loss, metrics = loss_fn(model, m, ctx)

@@ -45,7 +45,7 @@ def action_logprobs(model_dir, df) -> dict[str, float]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     res: dict[str, list[float]] = {"good": [], "bad": []}
-    for (tid,), g in df.sort("step").group_by("traj_id", maintain_order=True):
+    for (_tid,), g in df.sort("step").group_by("traj_id", maintain_order=True):
         obs, acts = g["observation"].to_list(), g["action"].to_list()
         for t in range(g.height):
             msgs = build_messages(instruction_prompt("textcraft"), g["instruction"][0], obs[: t + 1], acts[:t])

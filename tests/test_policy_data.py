@@ -59,7 +59,7 @@ def test_truncation_drops_oldest_turns_and_keeps_step_indices(tok):
 
 def _table(adv):
     rows = []
-    for t, (o, a) in enumerate(zip(OBS, ACTIONS)):
+    for t, (o, a) in enumerate(zip(OBS, ACTIONS, strict=False)):
         rows.append(dict(traj_id="t0", env="textcraft", task_id="0", split="train", source="self", iteration=1,
                          step=t, instruction="craft planks", observation=o, action=a, command=None,
                          next_observation="ok", reward_env=0.0, done=t == 2, advantage=adv[t]))

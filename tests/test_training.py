@@ -19,7 +19,7 @@ def test_lr_schedule_warmup_then_cosine():
     assert vals[2] == pytest.approx(1.0)
     for s in range(2, total):
         assert vals[s] == pytest.approx(0.5 * (1 + math.cos(math.pi * (s - 2) / 8)))
-    assert all(a >= b for a, b in zip(vals[1:], vals[2:]))
+    assert all(a >= b for a, b in zip(vals[1:], vals[2:], strict=False))
     assert lr_lambda(7, 10, 0, "constant") == 1.0
 
 
@@ -74,7 +74,7 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     train_loop(m1, lambda e: [[list(range(12))]], _loss_fn(x, y), _args(tmp_path / "a", epochs=1, warmup_ratio=0))
     train_loop(m2, lambda e: [[list(range(5)), list(range(5, 9)), list(range(9, 12))]], _loss_fn(x, y),
                _args(tmp_path / "b", epochs=1, warmup_ratio=0), micro_weight=len)
-    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+    for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=False):
         assert torch.allclose(p1, p2, atol=1e-6)
 
 
@@ -101,7 +101,7 @@ def test_interrupted_run_resumes_after_last_finished_epoch(tmp_path):
     r = train_loop(m, steps_for(), _loss_fn(x, y), _args(tmp_path / "run"), hooks=hooks)
     assert r.resumed_from_epoch == 2 and r.steps == 6
     assert torch.equal(extra_saved["old"], torch.arange(3.0))
-    for p1, p2 in zip(ref.parameters(), m.parameters()):
+    for p1, p2 in zip(ref.parameters(), m.parameters(), strict=False):
         assert torch.allclose(p1, p2, atol=1e-7)
     log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]  # no duplicated or missing curve points

@@ -17,9 +17,9 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from qevolve_cli.envs.registry import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import QevolveError
 
-ENVS = ("textcraft", "sciworld", "alfworld", "webshop", "lamps")  # lamps: built-in CPU env
 SPLITS = ("train", "test_seen", "test_unseen", "test")
 
 EnvOpt = Annotated[str, typer.Option("--env", help=f"Environment: {', '.join(ENVS)}.")]
@@ -56,6 +56,21 @@ def check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
     if value not in choices:
         raise QevolveError(f"{option}: unknown value {value!r} (choose from {', '.join(choices)})")
     return value
+
+
+def parse_sets(sets: list[str] | None) -> dict[str, Any]:
+    """``--set KEY=VALUE`` overrides (values parsed as YAML: numbers, booleans, lists)."""
+    import yaml
+
+    from qevolve_cli.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for s in sets or []:
+        if "=" not in s:
+            raise ConfigError("--set", s, "expected KEY=VALUE")
+        k, v = s.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
 
 
 def emit_json(obj: Any) -> None:

@@ -6,7 +6,15 @@ from typing import Annotated
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, progress, run_command
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    JsonOpt,
+    QuietOpt,
+    emit_json,
+    parse_sets,
+    progress,
+    run_command,
+)
 
 HELP = """Train the weighted IQL critic (SPEC §1.4) on a labelled table.
 
@@ -32,20 +40,6 @@ Examples:
   qevolve critic --data labeled.parquet --model bc/ --out c/ --set weighted=false   # ablation w/o W-IQL
   qevolve label labeled.parquet --critic runs/it1/critic --out advantages.parquet
 """
-
-
-def _parse_sets(sets: list[str] | None) -> dict:
-    import yaml
-
-    from qevolve_cli.errors import ConfigError
-
-    out = {}
-    for s in sets or []:
-        if "=" not in s:
-            raise ConfigError("--set", s, "expected KEY=VALUE")
-        k, v = s.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
-    return out
 
 
 def register(app: typer.Typer) -> None:
@@ -74,7 +68,7 @@ def register(app: typer.Typer) -> None:
 
             flags = {"epochs": epochs, "lr": lr, "steps_per_traj": steps_per_traj, "batch_size": batch_size,
                      "seed": seed}
-            overrides = {**_parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
+            overrides = {**parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
             cfg = load_critic_config(config, preset, overrides)
             from qevolve_cli.critic.trainer import train_critic
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, run_command
+from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, parse_sets, run_command
 
 HELP = """Train the policy: behaviour cloning (bc), BPPO (bppo) or AWR (awr).
 
@@ -27,20 +27,6 @@ Examples:
   qevolve policy --objective bppo --data labeled.parquet --model bc/ --out it1/ --config configs/policy.yaml --preset alfworld_iter1
   qevolve policy --objective awr --data labeled.parquet --model bc/ --out awr/ --set awr_beta=0.5 --json
 """
-
-
-def _parse_sets(sets: list[str] | None) -> dict:
-    import yaml
-
-    from qevolve_cli.errors import ConfigError
-
-    out = {}
-    for s in sets or []:
-        if "=" not in s:
-            raise ConfigError("--set", s, "expected KEY=VALUE")
-        k, v = s.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
-    return out
 
 
 def register(app: typer.Typer) -> None:
@@ -71,7 +57,7 @@ def register(app: typer.Typer) -> None:
             if objective is not None:
                 check_choice(objective, OBJECTIVES, "--objective")
             flags = {"objective": objective, "epochs": epochs, "lr": lr, "lora": lora, "seed": seed}
-            overrides = {**_parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
+            overrides = {**parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
             cfg = load_policy_config(config, preset, overrides)
             from qevolve_cli.policy.trainer import train_policy
 

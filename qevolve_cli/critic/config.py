@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qevolve_cli.algos import CRITIC_REDUCTIONS
-from qevolve_cli.config import ConfigBase, field
+from qevolve_cli.config import ConfigBase, field, load_preset_config
 from qevolve_cli.errors import ConfigError
+
+# reductions of the per-step critic losses (see algos.critic_reduce)
+CRITIC_REDUCTIONS = ("traj_sum", "sum", "mean")
 
 
 @dataclass
@@ -92,21 +94,4 @@ def load_critic_config(path: Any = None, preset: str | None = None,
     Without ``path`` the defaults of :class:`CriticConfig` apply (= the paper's iteration 1), unless a
     ``preset`` is named, which is then looked up in ``configs/critic.yaml``. Every preset inherits ``default``.
     """
-    from qevolve_cli.config import load_config, load_yaml
-
-    if path is None and preset is not None:
-        path = default_config_path()
-    if path is None:
-        return load_config(CriticConfig, None, None, overrides)
-    data = load_yaml(path)
-    is_presets = bool(data) and all(isinstance(v, dict) for v in data.values())
-    if not is_presets:
-        if preset is not None:
-            raise ConfigError(path, preset, "the file has no named presets")
-        return load_config(CriticConfig, path, None, overrides)
-    name = preset or "default"
-    if name not in data:
-        raise ConfigError(path, name, f"no such preset (known: {', '.join(sorted(data))})")
-    merged = {**data.get("default", {}), **data[name]}
-    merged = {**merged, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    return CriticConfig.from_dict(merged, source=path)
+    return load_preset_config(CriticConfig, path, preset, overrides, default_config_path())

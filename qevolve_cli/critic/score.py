@@ -22,6 +22,7 @@ import polars as pl
 
 from qevolve_cli.critic.data import build_items, collate
 
+
 def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size: int = 8, device: str = "auto",
                 with_q: bool = True, max_length: int | None = None, progress: Any = None) -> pl.DataFrame:
     """``df`` with ``value``, ``next_value`` (and ``q_value``) columns; row order kept.

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
+from qevolve_cli.envs.registry import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import ConfigError
 
-ENVS = ("textcraft", "sciworld", "alfworld", "webshop", "lamps")  # lamps: built-in CPU env
 SCALES = ("paper", "smoke", "cpu")
 STAGE_SECTIONS = ("bc", "rollout", "label", "critic", "policy")
 

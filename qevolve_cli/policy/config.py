@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qevolve_cli.config import ConfigBase, configs_dir, field, load_config, load_yaml
+from qevolve_cli.config import ConfigBase, configs_dir, field, load_preset_config
 from qevolve_cli.errors import ConfigError
 
 OBJECTIVES = ("bc", "bppo", "awr")
@@ -94,19 +94,4 @@ def load_policy_config(path: str | Path | None = None, preset: str | None = None
     configs; without ``preset`` its ``default`` section is used. Every preset
     inherits the ``default`` section.
     """
-    if path is None and preset is not None:
-        path = default_config_path()
-    if path is None:
-        return load_config(PolicyConfig, None, None, overrides)
-    data = load_yaml(path)
-    is_presets = bool(data) and all(isinstance(v, dict) for v in data.values())
-    if not is_presets:
-        if preset is not None:
-            raise ConfigError(path, preset, "the file has no named presets")
-        return load_config(PolicyConfig, path, None, overrides)
-    name = preset or "default"
-    if name not in data:
-        raise ConfigError(path, name, f"no such preset (known: {', '.join(sorted(data))})")
-    merged = {**data.get("default", {}), **data[name]}
-    merged = {**merged, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    return PolicyConfig.from_dict(merged, source=path)
+    return load_preset_config(PolicyConfig, path, preset, overrides, default_config_path())

@@ -109,7 +109,7 @@ def encode_trajectory(tokenizer, system: str, instruction: str, observations: Se
     first_step = n - len(spans)  # truncation only drops the oldest turns
     char_step = np.full(len(text) + 1, -1, dtype=np.int32)
     char_thought = np.zeros(len(text) + 1, dtype=bool)
-    for j, (mi, start, end, turn_end) in enumerate(spans):
+    for j, (mi, start, _end, turn_end) in enumerate(spans):
         char_step[start:turn_end] = first_step + j
         span = action_char_span(msgs[mi]["content"])
         if span is not None and span[0] > 0:

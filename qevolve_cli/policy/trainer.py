@@ -29,7 +29,6 @@ from qevolve_cli.errors import QevolveError, TableError
 from qevolve_cli.policy.config import PolicyConfig
 from qevolve_cli.policy.data import PolicyExample, build_examples, collate
 
-
 # --------------------------------------------------------------------------- loading
 
 
@@ -149,7 +148,7 @@ def step_logprob_stats(examples: list[PolicyExample], logps: list[np.ndarray]) -
     """Per-step summed action log-prob (over loss tokens) and the mean NLL per target token."""
     per_step: list[tuple[float, float]] = []  # (advantage, summed logp)
     tot, n = 0.0, 0
-    for e, lp in zip(examples, logps):
+    for e, lp in zip(examples, logps, strict=False):
         m = e.loss_mask[1:]
         st = e.step[1:]
         v = lp[: len(e) - 1]
@@ -189,8 +188,15 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     from qevolve_cli.algos import awr_loss, bppo_loss, token_nll
     from qevolve_cli.atomic import atomic_dir, write_json
     from qevolve_cli.config import dump_yaml
-    from qevolve_cli.training import Hooks, TrainArgs, group_steps, make_backend, remove_checkpoint, \
-        token_budget_batches, train_loop
+    from qevolve_cli.training import (
+        Hooks,
+        TrainArgs,
+        group_steps,
+        make_backend,
+        remove_checkpoint,
+        token_budget_batches,
+        train_loop,
+    )
 
     t_start = time.perf_counter()
     if quiet:
@@ -305,7 +311,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     after = step_logprob_stats(examples, lp_final)
 
     def delta(sign: int) -> float | None:
-        d = [a2[1] - a1[1] for a1, a2 in zip(before["per_step"], after["per_step"]) if np.sign(a1[0]) == sign]
+        d = [a2[1] - a1[1] for a1, a2 in zip(before["per_step"], after["per_step"], strict=False) if np.sign(a1[0]) == sign]
         return float(np.mean(d)) if d else None
 
     metrics: dict[str, Any] = {

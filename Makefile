@@ -55,7 +55,8 @@ test-py: setup
 	$(PY) -m pytest -q tests
 
 demo: setup
-	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo --resume
+	rm -rf runs/demo
+	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
 	$(QEVOLVE) report runs/demo
 
 bench: setup

@@ -164,3 +164,25 @@ def test_sciworld_smoke_two_iterations(tmp_path):
     st = manifest(run)
     assert all(v["status"] == "done" for v in st.values())
     assert pl.read_parquet(run / "iter_2/rollout.parquet")["iteration"].unique().to_list() == [2]
+
+
+def test_iteration_overrides_merge_entry_by_entry():
+    from qevolve_cli.evolve.config import deep_merge
+
+    base = {"iterations": [{"critic": {"lr": 1.0, "epochs": 3}}, {"critic": {"lr": 2.0}}], "bc": {"epochs": 1}}
+    over = {"iterations": [{"critic": {"epochs": 8}}], "bc": {"lr": 0.1}}
+    assert deep_merge(base, over) == {"iterations": [{"critic": {"lr": 1.0, "epochs": 8}}, {"critic": {"lr": 2.0}}],
+                                      "bc": {"epochs": 1, "lr": 0.1}}
+    # the per-env block of the cpu scale overrides iteration 1 only; iteration 2 keeps the scale's values
+    cfg = resolve("lamps", "cpu", overrides={"iters": 2})
+    assert cfg.stage("critic", 1).epochs == 8 and cfg.stage("critic", 2).lr == 5e-4
+
+
+def test_plan_uses_the_chosen_critic_backbone(tmp_path):
+    from qevolve_cli.evolve.loop import Plan
+
+    cfg = resolve("textcraft", "smoke", overrides={"critic_backbone": "policy"})
+    plan = Plan(cfg, tmp_path).shell()
+    assert "qevolve critic --data iter_1/labeled.parquet --model bc/policy" in plan
+    plan = Plan(resolve("textcraft", "smoke"), tmp_path).shell()
+    assert "qevolve critic --data iter_1/labeled.parquet --model base_model" in plan

@@ -37,6 +37,9 @@ class EvolveConfig(ConfigBase):
     init_model: str | None = field(None, help="When no model is given: build a tiny offline model 'ARCH:SIZE' "
                                               "(e.g. llama:tiny) into the run directory.")
     start_policy: str | None = field(None, help="Start from this policy (skips BC).")
+    critic_backbone: str = field("base", help="Frozen backbone of each iteration's critic: base (the pretrained "
+                                              "base model, the paper) or policy (the iteration's starting policy).",
+                                 choices=("base", "policy"))
     expert_data: str | None = field(None, help="Existing expert table (default: collected with `qevolve expert`).")
     expert_limit: int = field(0, help="Expert trajectories to collect from the train split (0 = all tasks).", ge=0)
     expert_workers: int = field(2, help="Worker processes for expert collection.", ge=1)
@@ -119,10 +122,15 @@ class EvolveConfig(ConfigBase):
 
 
 def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """``b`` over ``a``: mappings merge recursively, ``iterations`` lists merge entry by entry."""
     out = copy.deepcopy(a)
     for k, v in b.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
+        elif k == "iterations" and isinstance(v, list) and isinstance(out.get(k), list):
+            old = out[k]
+            out[k] = [deep_merge(old[i] if i < len(old) else {}, v[i] if i < len(v) else {})
+                      for i in range(max(len(old), len(v)))]
         else:
             out[k] = copy.deepcopy(v)
     return out

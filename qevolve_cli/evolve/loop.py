@@ -76,7 +76,8 @@ class Plan:
                 f"--config stages/rollout_{k}.yaml --out iter_{k}/rollout.parquet --resume",
                 f"qevolve label {q(self.expert())} iter_{k}/rollout.parquet --tokenizer {base} --config stages/label_{k}.yaml "
                 f"--out iter_{k}/labeled.parquet",
-                f"qevolve critic --data iter_{k}/labeled.parquet --model {base} --config stages/critic_{k}.yaml --out iter_{k}/critic",
+                f"qevolve critic --data iter_{k}/labeled.parquet --model {base if c.critic_backbone == 'base' else prev} "
+                f"--config stages/critic_{k}.yaml --out iter_{k}/critic",
                 f"qevolve label iter_{k}/labeled.parquet --critic iter_{k}/critic --config stages/label_{k}.yaml "
                 f"--out iter_{k}/advantages.parquet",
                 f"qevolve policy --objective bppo --data iter_{k}/advantages.parquet --model {prev} --ref {prev} "
@@ -206,10 +207,12 @@ def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
 
         c_cfg = cfg.stage("critic", k)
 
-        def critic(c_cfg=c_cfg, it=it):
+        backbone = base if cfg.critic_backbone == "base" else prev
+
+        def critic(c_cfg=c_cfg, it=it, backbone=backbone):
             from qevolve_cli.critic.trainer import train_critic
 
-            return _scalars(train_critic(c_cfg, run.path / it / "labeled.parquet", base, run.path / it / "critic"))
+            return _scalars(train_critic(c_cfg, run.path / it / "labeled.parquet", backbone, run.path / it / "critic"))
 
         run.run_stage(f"{it}/critic", critic, inputs=[f"{it}/labeled.parquet"], outputs=[f"{it}/critic"],
                       config_hash=c_cfg.hash(), iteration=k, echo=echo)

@@ -56,8 +56,7 @@ test-py: setup
 
 demo: setup
 	rm -rf runs/demo
-	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
-	$(QEVOLVE) report runs/demo
+	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo   # ends with the report
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done

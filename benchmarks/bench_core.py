@@ -98,6 +98,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--quick", action="store_true", help="100k steps")
     ap.add_argument("--python-sample", type=int, default=200_000, help="rows for the pure-Python loops (extrapolated)")
+    ap.add_argument("--tokenizer-steps", type=int, default=None,
+                    help="also time `qevolve label --tokenizer` (tiny ChatML tokenizer) on a table of this many steps "
+                         "(default: the same table; 0 = skip)")
     a = ap.parse_args()
     steps = 100_000 if a.quick else a.steps
     n_traj = max(1, steps // 14)
@@ -170,11 +173,28 @@ def main() -> None:
         res["label_cli"] = {"label_s": round(t_label, 3), "floor_read_write_s": round(t_floor, 3),
                             "ratio_to_floor": round(t_label / t_floor, 2), "label_peak_mib": round(mib_label, 1),
                             "floor_peak_mib": round(mib_floor, 1), "input_mib": round(src.stat().st_size / 2**20, 1)}
+        tok_steps = df.height if a.tokenizer_steps is None else a.tokenizer_steps
+        if tok_steps:
+            from qevolve_cli.models.tiny import create_tiny_model
+
+            model = create_tiny_model(Path(tmp) / "tiny", seed=0)
+            tsrc = src if tok_steps == df.height else Path(tmp) / "tok_in.parquet"
+            if tsrc != src:
+                schema.write_table(synthetic_table(max(1, tok_steps // 14), mean_steps=14, obs_words=60, seed=1), tsrc)
+            t_tok, mib_tok = peak_rss_of([sys.executable, "-m", "qevolve_cli", "label", str(tsrc), "--tokenizer", str(model),
+                                          "--out", str(Path(tmp) / "tok_out.parquet")])
+            import polars as _pl
+
+            n_tok = _pl.scan_parquet(tsrc).select(_pl.len()).collect().item()
+            res["label_cli_tokenizer"] = {"steps": n_tok, "seconds": round(t_tok, 2), "peak_mib": round(mib_tok, 1),
+                                          "steps_per_s": round(n_tok / t_tok, 1)}
     res["targets"] = {
         "gae_50x_python": res["gae"]["speedup_vs_python"] >= 50,
         "label_within_3x_floor": res["label_cli"]["ratio_to_floor"] <= 3.0,
         "label_under_4GiB": res["label_cli"]["label_peak_mib"] < 4096,
     }
+    if "label_cli_tokenizer" in res:
+        res["targets"]["label_tokenizer_under_4GiB"] = res["label_cli_tokenizer"]["peak_mib"] < 4096
     print(json.dumps(res, indent=2))
 
 

@@ -6,3 +6,8 @@ themselves.
 """
 
 __version__ = "0.1.0"
+
+import warnings as _warnings
+
+# PEFT 0.21 calls a transformers attribute deprecated in transformers 5; users cannot act on it.
+_warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -16,8 +16,12 @@ from qevolve_cli import _core
 
 
 def arrow(s: pl.Series) -> pa.Array:
-    """A single-chunk Arrow array of a Polars Series (zero-copy when already one chunk)."""
-    a = s.rechunk().to_arrow()
+    """A single-chunk Arrow array of a Polars Series, zero-copy when it is one chunk.
+
+    Strings are exported as Arrow ``string_view`` (Polars' own layout; the Rust
+    core reads it directly) instead of being copied into ``large_string``.
+    """
+    a = s.rechunk().to_arrow(compat_level=pl.CompatLevel.newest())
     if isinstance(a, pa.ChunkedArray):
         a = a.combine_chunks()
     return a

@@ -33,6 +33,5 @@ def register(app: typer.Typer) -> None:
                 emit_json(rep)
             else:
                 print_table(rep)
-                typer.echo("written: " + ", ".join(str(run_dir / f) for f in rep["files"]), err=True)
 
         run_command(body)

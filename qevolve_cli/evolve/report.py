@@ -184,20 +184,29 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
     return rep
 
 
+SHORT = {"test_seen": "seen", "test_unseen": "unseen", "test": "test", "train": "train"}
+
+
 def print_table(rep: dict[str, Any]) -> None:
+    """The score table (average reward % and success % per split) on stdout."""
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"qevolve report: {rep['run']} (average reward % / success %)")
-    t.add_column("iteration")
+    t = Table(title=f"qevolve report: {rep['run']}", caption="reward = average final reward (%), "
+              "success = tasks completed (%), env steps = environment steps of the iteration's rollout")
+    t.add_column("iteration", no_wrap=True)
     for s in rep["splits"]:
-        t.add_column(f"{s}\nreward", justify="right")
-        t.add_column(f"{s}\nsuccess", justify="right")
+        name = SHORT.get(s, s)
+        t.add_column(f"{name} reward", justify="right")
+        t.add_column(f"{name} success", justify="right")
     t.add_column("env steps", justify="right")
-    t.add_column("cumulative", justify="right")
+    t.add_column("total steps", justify="right")
     for r in rep["rows"]:
         cells = []
         for s in rep["splits"]:
             cells += ([f"{100 * (r[s]['avg_reward'] or 0):.1f}", f"{100 * (r[s]['success_rate'] or 0):.1f}"] if s in r else ["", ""])
         t.add_row(r["name"], *cells, str(r["env_steps"]), str(r["cumulative_env_steps"]))
-    Console().print(t)
+    Console(width=max(100, Console().width)).print(t)
+    files = rep.get("files", [])
+    if files:
+        Console(stderr=True).print("written: " + ", ".join(str(Path(rep["run"]) / f) for f in files))

@@ -14,6 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK  # what open() would give; mkstemp's temporary files are 0600
+
 
 @contextlib.contextmanager
 def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
@@ -27,6 +31,7 @@ def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp_path, _FILE_MODE)
         os.replace(tmp_path, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -51,6 +56,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_UMASK)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)

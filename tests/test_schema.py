@@ -121,3 +121,12 @@ def test_drop_failed():
     d = d.with_columns(pl.when(pl.col("traj_id") == first).then(pl.lit("worker crashed")).otherwise(None).alias("error"))
     kept = schema.drop_failed(d)
     assert first not in kept["traj_id"].to_list() and kept["traj_id"].n_unique() == 2
+
+
+def test_written_files_get_normal_permissions(tmp_path, df):
+    import stat
+
+    p = schema.write_table(df, tmp_path / "t.parquet")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask

@@ -45,6 +45,13 @@ AdapterOpt = Annotated[Path | None, typer.Option("--adapter", help="PEFT LoRA ad
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="Generation backend: hf, vllm, openai.")]
 BaseUrlOpt = Annotated[str | None, typer.Option("--base-url", help="OpenAI-compatible server, e.g. "
                                                 "http://127.0.0.1:8000/v1 (with --backend openai).")]
+# options shared with `qevolve eval`
+MaxTasksOpt = Annotated[int | None, typer.Option("--max-tasks", help="Only the first N tasks of the split.")]
+WorkersOptN = Annotated[int | None, typer.Option("--workers", "-w", help="Environment worker processes.")]
+EnvsPerWorkerOpt = Annotated[int | None, typer.Option("--envs-per-worker", help="Live episodes per worker.")]
+MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens generated per turn.")]
+MaxStepsOpt = Annotated[int | None, typer.Option("--max-steps", help="Turns per episode (0 = the env's limit).")]
+IterationOpt = Annotated[int | None, typer.Option("--iteration", help="Evolving iteration recorded in the table.")]
 
 
 def resolve_config(config: Path | None, overrides: dict[str, Any]):
@@ -101,15 +108,15 @@ def register(app: typer.Typer) -> None:
         adapter: AdapterOpt = None,
         n_per_task: Annotated[int | None, typer.Option("--n-per-task", help="Trajectories per task (paper: 3).")] = None,
         temperature: Annotated[float | None, typer.Option("--temperature", help="Sampling temperature (0 = greedy).")] = None,
-        max_tasks: Annotated[int | None, typer.Option("--max-tasks", help="Only the first N tasks of the split.")] = None,
-        workers: Annotated[int | None, typer.Option("--workers", "-w", help="Environment worker processes.")] = None,
-        envs_per_worker: Annotated[int | None, typer.Option("--envs-per-worker", help="Live episodes per worker.")] = None,
+        max_tasks: MaxTasksOpt = None,
+        workers: WorkersOptN = None,
+        envs_per_worker: EnvsPerWorkerOpt = None,
         backend: BackendOpt = None,
         base_url: BaseUrlOpt = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Random seed (same seed -> same table with hf on CPU).")] = None,
-        iteration: Annotated[int | None, typer.Option("--iteration", help="Evolving iteration recorded in the table.")] = None,
-        max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens generated per turn.")] = None,
-        max_steps: Annotated[int | None, typer.Option("--max-steps", help="Turns per episode (0 = the env's limit).")] = None,
+        iteration: IterationOpt = None,
+        max_new_tokens: MaxNewTokensOpt = None,
+        max_steps: MaxStepsOpt = None,
         max_context: Annotated[int | None, typer.Option("--max-context", help="Context length in tokens (0 = model max).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted rollout from OUT.journal.jsonl.")] = False,
         config: ConfigOpt = None,

@@ -14,6 +14,15 @@ from qevolve_cli.atomic import atomic_path, write_json, write_text
 from qevolve_cli.errors import QevolveError
 
 
+def _save(fig, out: Path) -> None:
+    """Write a matplotlib figure as PNG atomically and free it."""
+    import matplotlib.pyplot as plt
+
+    with atomic_path(out, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
 def _manifest(run: Path) -> dict[str, Any]:
     p = run / "manifest.json"
     if not run.is_dir():
@@ -68,9 +77,7 @@ def _plot_scores(run: Path, rows, splits, out: Path) -> None:
         a.legend()
     fig.suptitle(run.name)
     fig.tight_layout()
-    with atomic_path(out, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def _critic_curves(run: Path) -> dict[int, dict[str, list[float]]]:
@@ -109,9 +116,7 @@ def _plot_critic(curves, out: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(out, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    _save(fig, out)
     return True
 
 
@@ -140,9 +145,7 @@ def _plot_advantages(run: Path, out: Path) -> dict[str, Any]:
         ax.set_title(f"advantage by source, {k}")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(out, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    _save(fig, out)
     return stats
 
 

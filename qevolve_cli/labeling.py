@@ -81,8 +81,13 @@ def label_frame(
     tokenizer: Any = None,
     critic: str | Path | None = None,
     source: str | Path | None = None,
+    require_advantage: bool = False,
 ) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Label a validated frame; returns the labelled frame (trajectories contiguous) and timings."""
+    """Label a validated frame; returns the labelled frame (trajectories contiguous) and timings.
+
+    ``advantage`` is added when the frame has critic values (or ``critic`` is given); without
+    them ``require_advantage`` makes that an error instead of a table without advantages.
+    """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     df = schema.sort_steps(df)
@@ -126,8 +131,9 @@ def label_frame(
         t0 = time.perf_counter()
         df = with_advantage(df, offs, cfg, source)
         timings["advantage"] = time.perf_counter() - t0
-    elif cfg.advantage != "gae":
-        raise QevolveError(f"advantage={cfg.advantage!r} needs critic values: pass --critic DIR")
+    elif require_advantage:
+        raise QevolveError(f"advantage={cfg.advantage!r} needs critic values: pass --critic DIR "
+                           "(or inputs with value/next_value)")
     return df, timings
 
 
@@ -171,6 +177,7 @@ def label_tables(
     cfg: LabelConfig | None = None,
     tokenizer: str | Path | None = None,
     critic: str | Path | None = None,
+    require_advantage: bool = False,
 ) -> dict[str, Any]:
     """Library entry point of `qevolve label`; returns a summary (also what --json prints)."""
     cfg = cfg or LabelConfig()
@@ -190,7 +197,8 @@ def label_tables(
         tok = load_tokenizer(tokenizer)
     elif critic is not None:
         tok = load_tokenizer(critic)
-    df, timings = label_frame(df, cfg, tokenizer=tok, critic=critic, source=paths[0] if len(paths) == 1 else None)
+    df, timings = label_frame(df, cfg, tokenizer=tok, critic=critic, source=paths[0] if len(paths) == 1 else None,
+                              require_advantage=require_advantage)
     t0 = time.perf_counter()
     check_finite(df, out)
     schema.write_table(df, out, producer="qevolve label", validate_rows=False)

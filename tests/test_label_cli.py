@@ -184,3 +184,15 @@ def test_label_with_tokenizer_adds_positions(tmp_path, buffers, tiny_model_dir):
     # within a trajectory (no truncation here) the next state of step t is the state of step t+1
     nxt = df.with_columns(pl.col("pos_s").shift(-1).over("traj_id").alias("s_next")).drop_nulls("s_next")
     assert (nxt["pos_next"] == nxt["s_next"]).all()
+
+
+def test_advantage_kind_without_values(tmp_path, buffers):
+    """--advantage without critic values is an error; a config asking for gae_aux just labels (evolve's first pass)."""
+    _, ps = buffers
+    r = runner.invoke(app, ["label", str(ps), "--out", str(tmp_path / "a.parquet"), "--advantage", "gae_aux"])
+    assert r.exit_code == 2 and "needs critic values" in r.stderr and not (tmp_path / "a.parquet").exists()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("label:\n  advantage: gae_aux\n")
+    r = runner.invoke(app, ["label", str(ps), "--out", str(tmp_path / "b.parquet"), "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    assert "advantage" not in schema.read_table(tmp_path / "b.parquet").columns

@@ -46,7 +46,9 @@ def register(app: typer.Typer) -> None:
                 LabelConfig, config, section="label" if config and _has_section(config, "label") else None,
                 overrides={"advantage": advantage, "retrospective": retrospective, "max_length": max_length},
             )
-            summary = label_tables(inputs, out, cfg, tokenizer=tokenizer, critic=critic)
+            # an explicit --advantage asks for advantages: without critic values that is an error
+            summary = label_tables(inputs, out, cfg, tokenizer=tokenizer, critic=critic,
+                                   require_advantage=advantage is not None)
             if json_out:
                 emit_json(summary)
             else:

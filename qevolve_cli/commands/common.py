@@ -30,6 +30,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one machine-readabl
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 WorkersOpt = Annotated[int, typer.Option("--workers", "-w", help="Parallel environment worker processes.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr.")]
+# training commands (critic, policy): overrides of the stage config
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE (repeatable).")]
+EpochsOpt = Annotated[int | None, typer.Option("--epochs", help="Override epochs.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", help="Override the learning rate.")]
 
 R = TypeVar("R")
 

@@ -8,8 +8,11 @@ import typer
 
 from qevolve_cli.commands.common import (
     ConfigOpt,
+    EpochsOpt,
     JsonOpt,
+    LrOpt,
     QuietOpt,
+    SetOpt,
     emit_json,
     parse_sets,
     progress,
@@ -51,10 +54,9 @@ def register(app: typer.Typer) -> None:
         config: ConfigOpt = None,
         preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file "
                                                    "(default file configs/critic.yaml).")] = None,
-        sets: Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE "
-                                                       "(repeatable).")] = None,
-        epochs: Annotated[int | None, typer.Option("--epochs", help="Override epochs.")] = None,
-        lr: Annotated[float | None, typer.Option("--lr", help="Override the learning rate.")] = None,
+        sets: SetOpt = None,
+        epochs: EpochsOpt = None,
+        lr: LrOpt = None,
         steps_per_traj: Annotated[int | None, typer.Option("--steps-per-traj", help="Steps K sampled per "
                                                            "trajectory per update (0: all).")] = None,
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Trajectories per batch.")] = None,

@@ -6,7 +6,17 @@ from typing import Annotated
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, parse_sets, run_command
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    EpochsOpt,
+    JsonOpt,
+    LrOpt,
+    QuietOpt,
+    SetOpt,
+    emit_json,
+    parse_sets,
+    run_command,
+)
 
 HELP = """Train the policy: behaviour cloning (bc), BPPO (bppo) or AWR (awr).
 
@@ -41,10 +51,9 @@ def register(app: typer.Typer) -> None:
         config: ConfigOpt = None,
         preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file "
                                                    "(default file configs/policy.yaml).")] = None,
-        sets: Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE "
-                                                       "(repeatable).")] = None,
-        epochs: Annotated[int | None, typer.Option("--epochs", help="Override epochs.")] = None,
-        lr: Annotated[float | None, typer.Option("--lr", help="Override the learning rate.")] = None,
+        sets: SetOpt = None,
+        epochs: EpochsOpt = None,
+        lr: LrOpt = None,
         lora: Annotated[bool | None, typer.Option("--lora/--full", help="Train a LoRA adapter or all weights.")] = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Random seed.")] = None,
         json_out: JsonOpt = False,

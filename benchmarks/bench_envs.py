@@ -73,7 +73,7 @@ def sciworld_step_cost(task, n: int = 40) -> dict:
     for c in plan:
         env.step(c)
     ours = (time.monotonic() - t0) / len(plan)
-    sw = env._sw
+    sw = env._host  # the package's ScienceWorldEnv (its own simulator in the same JVM)
     sw.load(task.data["task_name"], task.data["variation"], "easy")
     sw.reset()
     t0 = time.monotonic()

@@ -1,5 +1,7 @@
 """Rollout throughput: environment steps per second with the tiny model, one episode at a time
-(the way ETO evaluates) vs batched play over the worker pool with 2 and 4 workers.
+(the way ETO evaluates) vs batched play over the worker pool with 2 and 4 workers (4 live episodes
+per worker, 2 lanes: the policy generates for one lane while the workers step the other), and the
+same batch without the overlap (``batched_2w_no_overlap``, 1 lane).
 
 Prints one JSON object. For each environment (TextCraft, ScienceWorld) and mode it reports the
 agent turns played, wall seconds (resets included), steps/s, and the share of the wall time spent in
@@ -16,8 +18,8 @@ The model is the tiny model (``create_tiny_model``) taught the ReAct format for 
 (``rollout.warm.react_tune``), so turns reach the environment. Model loading and the tuning are not
 timed.
 
-    python benchmarks/bench_rollout.py            # 16 tasks x 6 steps per env (a few minutes on 2 cores)
-    python benchmarks/bench_rollout.py --quick    # 8 tasks x 4 steps
+    python benchmarks/bench_rollout.py            # 16 tasks per env at the env's step limit (SciWorld 24, TextCraft 40)
+    python benchmarks/bench_rollout.py --quick    # 8 tasks x 6 steps
 """
 from __future__ import annotations
 
@@ -49,12 +51,13 @@ def main() -> None:
     ap.add_argument("--envs", default="textcraft,sciworld")
     ap.add_argument("--tasks", type=int, default=None)
     ap.add_argument("--max-steps", type=int, default=None)
-    ap.add_argument("--envs-per-worker", type=int, default=1,
-                    help="live episodes per worker in the batched modes (each ScienceWorld env is one JVM: "
-                         "more JVMs than cores slows every step down)")
+    ap.add_argument("--envs-per-worker", type=int, default=4,
+                    help="live episodes per worker in the batched modes")
+    ap.add_argument("--lanes", type=int, default=2, help="lanes of the batched modes (generation/env overlap)")
     args = ap.parse_args()
     n_tasks = args.tasks or (8 if args.quick else 16)
-    max_steps = args.max_steps or (4 if args.quick else 6)
+    # 0 = each environment's own episode limit (SciWorld 24, TextCraft 40), as in a real rollout
+    max_steps = args.max_steps if args.max_steps is not None else (6 if args.quick else 0)
 
     import transformers
 
@@ -69,7 +72,10 @@ def main() -> None:
 
     envs = [e for e in args.envs.split(",") if e]
     epw = args.envs_per_worker
-    modes = [("sequential", 1, 1), ("batched_2w", 2, epw), ("batched_4w", 4, epw)]
+    lanes = args.lanes
+    # (name, workers, envs per worker, lanes); "no_overlap": the same batch in one lane
+    modes = [("sequential", 1, 1, 1), ("batched_2w", 2, epw, lanes), ("batched_2w_no_overlap", 2, epw, 1),
+             ("batched_4w", 4, max(1, epw // 2), lanes)]
     result: dict = {"benchmark": "rollout", "cpu_count": os.cpu_count(), "tasks": n_tasks, "max_steps": max_steps,
                     "max_new_tokens": 32, "model": "tiny llama (react-tuned)", "envs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as td:
@@ -82,9 +88,9 @@ def main() -> None:
             warm_tasks, tasks = all_tasks[:8], all_tasks[8 : 8 + n_tasks]
             res_env: dict = {}
             tables = {}
-            for name, workers, epw in modes:
+            for name, workers, epw, n_lanes in modes:
                 cfg = RolloutConfig(env=env, split="train", n_per_task=1, max_steps=max_steps, workers=workers,
-                                    envs_per_worker=epw, max_new_tokens=32, temperature=1.0, seed=0)
+                                    envs_per_worker=epw, lanes=n_lanes, max_new_tokens=32, temperature=1.0, seed=0)
                 with EnvPool(env, workers=workers, envs_per_worker=epw, timeout_s=300) as pool:
                     t0 = time.perf_counter()
                     warm(pool, warm_tasks)  # start workers + JVMs once, as a long rollout would
@@ -96,12 +102,15 @@ def main() -> None:
                 st = r.stats
                 tables[name] = r.table.sort(["traj_id", "step"])["action"].to_list()
                 res_env[name] = {
-                    "workers": workers, "live_episodes": workers * epw, "steps": st.steps,
-                    "episodes": st.done, "wall_s": round(wall, 3), "steps_per_s": round(st.steps / wall, 3),
-                    "gen_share": round(st.gen_s / wall, 3),
-                    "env_share": round((st.env_s + st.reset_s) / wall, 3),
-                    "reset_s": round(st.reset_s, 3), "step_s": round(st.env_s, 3), "gen_s": round(st.gen_s, 3),
-                    "rounds": st.rounds, "startup_s": round(warm_s, 3),
+                    "workers": workers, "live_episodes": workers * epw, "lanes": min(n_lanes, workers * epw),
+                    "steps": st.steps, "episodes": st.done, "wall_s": round(wall, 3),
+                    "steps_per_s": round(st.steps / wall, 3),
+                    # shares of the wall time: the policy generating / the policy waiting for the envs
+                    # (with lanes the workers' env time overlaps generation, so these need not add to 1)
+                    "gen_share": round(st.gen_s / wall, 3), "env_wait_share": round(st.env_s / wall, 3),
+                    # seconds the workers spent in env resets / steps (summed over workers)
+                    "worker_reset_s": round(st.reset_s, 3), "worker_step_s": round(st.step_s, 3),
+                    "gen_s": round(st.gen_s, 3), "rounds": st.rounds, "startup_s": round(warm_s, 3),
                 }
             base = res_env["sequential"]["steps_per_s"]
             for name, *_ in modes[1:]:

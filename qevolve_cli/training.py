@@ -43,11 +43,22 @@ What the loop does:
   refreshes pi_old there).
 
 Distributed / DeepSpeed ZeRO-2/3: ``args.deepspeed`` names a JSON config
-(``configs/deepspeed/zero2.json`` / ``zero3.json``). The loop then runs through
-an :class:`AccelerateBackend` (``accelerate`` with its DeepSpeed plugin,
-imported lazily) and each rank takes its share of the micro-batches. Launch
-with ``accelerate launch`` / ``deepspeed`` / ``torchrun``. Without a DeepSpeed
-config and with ``WORLD_SIZE`` unset the plain :class:`TorchBackend` is used.
+(``configs/deepspeed/zero2.json`` / ``zero3.json``). The loop then runs through a
+:class:`DeepSpeedBackend` (one ``deepspeed.initialize`` engine, DeepSpeed
+imported lazily; on CPU its CPU accelerator with gloo). Launch with
+``torchrun --standalone --nproc_per_node N -m qevolve_cli ...`` (or ``deepspeed`` /
+``accelerate launch``); without a launcher a one-rank group is created. Every
+``"auto"`` of the config is resolved here (:func:`resolve_deepspeed_config`).
+The micro-batches of each optimiser step are dealt round-robin to the ranks
+(every rank runs the same number of backward passes; a missing one is
+micro-batch 0 with weight 0) and each rank's loss is scaled by
+``world_size * w / (sum of w over the whole step)``, so the gradient averaged
+over ranks is exactly the step's weighted mean: fp32 runs equal the
+single-process run up to rounding. Logged losses/tokens are summed over ranks
+and written by rank 0. Epoch checkpoints are not written under DeepSpeed and a
+left-over one is refused. With ``WORLD_SIZE > 1`` and no DeepSpeed config the
+loop runs plain DDP through :class:`AccelerateBackend`; otherwise
+:class:`TorchBackend`.
 """
 from __future__ import annotations
 
@@ -223,6 +234,17 @@ class TorchBackend:
         grads = [p.grad.detach().norm() for p in params if p.grad is not None]
         return float(torch.norm(torch.stack(grads))) if grads else 0.0
 
+    supports_checkpoints = True
+
+    def optimizer_step(self, model, optimizer, params, max_norm: float) -> float:
+        """Clip (``max_norm`` > 0) and step -> the gradient norm before clipping."""
+        gnorm = self.clip_grad_norm(model, params, max_norm)
+        optimizer.step()
+        return gnorm
+
+    def zero_grad(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
     def unwrap(self, model):
         return model
 
@@ -232,28 +254,20 @@ class TorchBackend:
     def barrier(self) -> None:
         pass
 
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
 
 class AccelerateBackend(TorchBackend):
-    """Multi-process / DeepSpeed ZeRO-2/3 through ``accelerate`` (imported lazily)."""
+    """Plain multi-process data parallelism (DDP through ``accelerate``), used when ``WORLD_SIZE > 1``
+    without a DeepSpeed config. DeepSpeed runs through :class:`DeepSpeedBackend`."""
 
-    def __init__(self, precision: str, deepspeed_config: Path | None, grad_accum: int):
+    def __init__(self, precision: str):
         try:
             from accelerate import Accelerator
-            from accelerate.utils import DeepSpeedPlugin
         except ImportError as e:  # pragma: no cover - accelerate is a dependency
             raise QevolveError(f"distributed training needs accelerate ({e})") from None
-        plugin = None
-        if deepspeed_config is not None:
-            try:
-                import deepspeed  # noqa: F401
-            except ImportError:
-                raise QevolveError(
-                    f"{deepspeed_config}: DeepSpeed is not installed (pip install 'qevolve[gpu]')"
-                ) from None
-            if not Path(deepspeed_config).exists():
-                raise QevolveError(f"{deepspeed_config}: no such DeepSpeed config")
-            plugin = DeepSpeedPlugin(hf_ds_config=str(deepspeed_config), gradient_accumulation_steps=grad_accum)
-        self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", deepspeed_plugin=plugin)
+        self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no")
         self.device = str(self.acc.device)
         self.precision = precision
         self.rank = self.acc.process_index
@@ -279,17 +293,285 @@ class AccelerateBackend(TorchBackend):
         return self.acc.unwrap_model(model)
 
     def full_state_dict(self, model) -> dict:
-        return self.acc.get_state_dict(model)  # gathers ZeRO-3 shards
+        return self.acc.get_state_dict(model)
 
     def barrier(self) -> None:
         self.acc.wait_for_everyone()
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        return _dist_sum(values, self.device)
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+DS_STAGES = (0, 1, 2, 3)
+
+
+def load_deepspeed_config(path: str | Path, what: str = "deepspeed") -> dict[str, Any]:
+    """Read and check a DeepSpeed JSON config (one-line errors naming the file and field)."""
+    p = Path(path)
+    if not p.is_file():
+        raise QevolveError(f"{what}: {p}: no such DeepSpeed config")
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise QevolveError(f"{p}: not a JSON DeepSpeed config ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise QevolveError(f"{p}: a DeepSpeed config must be a JSON object")
+    zero = raw.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise QevolveError(f"{p}: field zero_optimization: must be an object")
+    stage = zero.get("stage", 0)
+    if stage not in DS_STAGES:
+        raise QevolveError(f"{p}: field zero_optimization.stage: {stage!r} is not one of 0, 1, 2, 3")
+    for key in ("optimizer", "scheduler"):
+        if key in raw:
+            raise QevolveError(f"{p}: field {key}: not supported (qevolve builds AdamW and the LR schedule "
+                               "from its own config: lr, weight_decay, warmup_ratio, lr_scheduler)")
+    if isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled") is True:
+        raise QevolveError(f"{p}: field fp16.enabled: fp16 (loss scaling) is not supported; use bf16")
+    for key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
+        sub = zero.get(key.split(".")[1])
+        if isinstance(sub, dict) and sub.get("device", "none") not in ("none", None):
+            raise QevolveError(f"{p}: field {key}: offloading is not supported by qevolve's DeepSpeed path "
+                               "(it needs DeepSpeed's compiled CPU Adam)")
+    return raw
+
+
+def _auto(d: dict, key: str, value: Any) -> None:
+    if d.get(key, "auto") == "auto":
+        d[key] = value
+
+
+def resolve_deepspeed_config(raw: dict[str, Any], *, precision: str, device: str, world_size: int,
+                             grad_accum: int, max_grad_norm: float, hidden_size: int | None,
+                             managed_accumulation: bool) -> dict[str, Any]:
+    """Replace every ``"auto"`` of a DeepSpeed config by a concrete value (DeepSpeed itself accepts none).
+
+    * ``bf16.enabled`` / ``fp16.enabled``: bf16 iff ``precision == "bf16"`` (fp32 on CPU by default);
+    * batch sizes: our micro-batches are token-budgeted, so DeepSpeed's batch sizes are only
+      bookkeeping: ``train_micro_batch_size_per_gpu`` 1, ``gradient_accumulation_steps`` the
+      per-rank micro-batches of one optimiser step, ``train_batch_size`` their product times the
+      world size;
+    * ``gradient_clipping``: ``max_grad_norm``;
+    * ZeRO buckets from the model's hidden size as Hugging Face does (``reduce_bucket_size`` h^2,
+      ``stage3_prefetch_bucket_size`` 0.9 h^2, ``stage3_param_persistence_threshold`` 10 h);
+    * on the CPU accelerator (``device == "cpu"``) ``overlap_comm`` is switched off: its side
+      streams are CUDA-only (GPU runs keep the config's value).
+    ``managed_accumulation=False`` makes ``engine.step()`` the accumulation boundary, so an
+    optimiser step may have any number of micro-batches (our loop owns the accumulation).
+    """
+    cfg = json.loads(json.dumps(raw))
+    bf16 = precision == "bf16"
+    for key, on in (("bf16", bf16), ("fp16", False)):
+        sec = cfg.get(key)
+        if isinstance(sec, dict):
+            _auto(sec, "enabled", on)
+        elif key == "bf16":
+            cfg[key] = {"enabled": on}
+    ga = max(1, int(grad_accum))
+    _auto(cfg, "train_micro_batch_size_per_gpu", 1)
+    _auto(cfg, "gradient_accumulation_steps", ga)
+    _auto(cfg, "train_batch_size",
+          int(cfg["train_micro_batch_size_per_gpu"]) * int(cfg["gradient_accumulation_steps"]) * world_size)
+    _auto(cfg, "gradient_clipping", float(max_grad_norm or 0.0))
+    cfg["managed_gradient_accumulation"] = bool(managed_accumulation)
+    zero = cfg.setdefault("zero_optimization", {"stage": 0})
+    h = int(hidden_size) if hidden_size else 0
+    _auto(zero, "reduce_bucket_size", h * h if h else int(5e8))
+    _auto(zero, "stage3_prefetch_bucket_size", int(0.9 * h * h) if h else int(5e7))
+    _auto(zero, "stage3_param_persistence_threshold", 10 * h if h else int(1e5))
+    if device == "cpu":
+        zero["overlap_comm"] = False
+    left = [k for k, v in _flatten(cfg).items() if v == "auto"]
+    if left:
+        raise QevolveError(f"deepspeed config: field {left[0]}: 'auto' is not resolved by qevolve; give a value")
+    return cfg
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_deepspeed(device: str = "auto"):
+    """Import DeepSpeed for ``device`` and join (or create) the process group -> (deepspeed, device string).
+
+    On CPU ``DS_ACCELERATOR=cpu`` is set (unless already set) before DeepSpeed is imported, so its
+    CPU accelerator is used (communication backend ``ccl`` when oneCCL is installed, else ``gloo``).
+    Without a launcher (no ``WORLD_SIZE``) a one-process group is created on a free local port.
+    """
+    dev = resolve_device(device)
+    if dev == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed JIT-compiles its ops with ninja, which pip puts next to the interpreter
+    import sys
+
+    bindir = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as e:
+        raise QevolveError(f"deepspeed: DeepSpeed is not installed or broken ({e}); `make setup` installs it") from None
+    acc = get_accelerator()
+    if dev == "cpu" and acc.device_name() != "cpu":
+        raise QevolveError(f"deepspeed: device cpu requested but DS_ACCELERATOR selects {acc.device_name()!r}")
+    if dev.startswith("cuda") and acc.device_name() != "cuda":
+        raise QevolveError(f"deepspeed: device cuda requested but DeepSpeed's accelerator is {acc.device_name()!r} "
+                           "(unset DS_ACCELERATOR)")
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if acc.device_name() != "cpu":
+        acc.set_device(local_rank)
+        dev = acc.device_name(local_rank)
+    import logging
+
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.setLevel(logging.WARNING)
+    for h in ds_logger.handlers:  # DeepSpeed logs to stdout; stdout is for results (--json)
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), auto_mpi_discovery=False)
+    return deepspeed, dev
+
+
+def model_hidden_size(model) -> int | None:
+    h = getattr(model, "hidden_size", None)
+    if isinstance(h, int):
+        return h
+    cfg = getattr(model, "config", None)
+    h = getattr(cfg, "hidden_size", None)
+    return h if isinstance(h, int) else None
+
+
+class DeepSpeedBackend(TorchBackend):
+    """DeepSpeed ZeRO-0/1/2/3 through ``deepspeed.initialize`` (one engine over the model).
+
+    Launch with ``torchrun --nproc_per_node N -m qevolve_cli ...`` (or ``deepspeed`` /
+    ``accelerate launch``: anything that sets RANK / WORLD_SIZE / MASTER_ADDR). The engine averages
+    gradients over ranks; :func:`train_loop` scales each rank's loss so that the average is the
+    exact token-weighted mean of the whole optimiser step. ``engine.step()`` is the accumulation
+    boundary (``managed_gradient_accumulation: false``), gradient clipping is DeepSpeed's
+    (``gradient_clipping`` = ``max_grad_norm``) and the LR schedule is ours (a ``LambdaLR`` on the
+    client AdamW, stepped after every optimiser step). Epoch checkpoints are not written.
+    """
+
+    supports_checkpoints = False
+
+    def __init__(self, config_path: str | Path, precision: str, device: str = "auto", grad_accum: int = 1,
+                 max_grad_norm: float = 1.0):
+        import torch.distributed as dist
+
+        self.config_path = Path(config_path)
+        self.raw_config = load_deepspeed_config(config_path)
+        self.ds, self.device = init_deepspeed(device)
+        self.precision = precision
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+        self.stage = int(self.raw_config.get("zero_optimization", {}).get("stage", 0))
+        self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.engine = None
+        self.config: dict[str, Any] | None = None
+
+    def resolve(self, model, grad_accum: int | None = None, max_grad_norm: float | None = None,
+                managed_accumulation: bool = False) -> dict[str, Any]:
+        return resolve_deepspeed_config(
+            self.raw_config, precision=self.precision, device="cpu" if self.device == "cpu" else "cuda",
+            world_size=self.world_size, grad_accum=grad_accum or self.grad_accum,
+            max_grad_norm=self.max_grad_norm if max_grad_norm is None else max_grad_norm,
+            hidden_size=model_hidden_size(model), managed_accumulation=managed_accumulation)
+
+    def initialize(self, model, optimizer, config: dict[str, Any]):
+        try:
+            engine, ds_opt, _, _ = self.ds.initialize(model=model, optimizer=optimizer, config=config)
+        except (AssertionError, ValueError) as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise QevolveError(f"{self.config_path}: DeepSpeed rejected the config ({msg})") from None
+        return engine, ds_opt
+
+    def prepare(self, model, optimizer, scheduler):
+        model.to(self.device)
+        self.config = self.resolve(model, grad_accum=max(1, -(-self.grad_accum // self.world_size)))
+        self.engine, ds_opt = self.initialize(model, optimizer, self.config)
+        return self.engine, ds_opt, scheduler
+
+    def backward(self, loss) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self, model, optimizer, params, max_norm: float) -> float:
+        model.step()  # clips (gradient_clipping), steps the ZeRO optimiser, zeroes the gradients
+        n = model.get_global_grad_norm()
+        return float(n) if n is not None else float("nan")
+
+    def zero_grad(self, optimizer) -> None:
+        pass  # the engine zeroes after each step
+
+    def unwrap(self, model):
+        return self.engine.module if (self.engine is not None and model is self.engine) else model
+
+    def full_state_dict(self, model) -> dict | None:
+        """Full weights of the engine's module (collective: call on every rank); under ZeRO-3 gathered
+        layer by layer on rank 0 (None on the other ranks)."""
+        if self.stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.engine.module.state_dict()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        return _dist_sum(values, self.device)
+
+
+def _dist_sum(values: list[float], device: str) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    if not values or not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(x) for x in t.cpu()]
+
+
+def is_main_process() -> bool:
+    """False on the ranks > 0 of a multi-process launch (they print nothing); True otherwise."""
+    import sys
+
+    dist_mod = sys.modules.get("torch.distributed")
+    if dist_mod is not None and dist_mod.is_available() and dist_mod.is_initialized():
+        return dist_mod.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def make_backend(args: TrainArgs, grad_accum: int = 1):
     device = resolve_device(args.device)
     precision = resolve_precision(args.precision, device)
-    if args.deepspeed is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return AccelerateBackend(precision, args.deepspeed, grad_accum)
+    if args.deepspeed is not None:
+        return DeepSpeedBackend(args.deepspeed, precision, args.device, grad_accum, args.max_grad_norm)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return AccelerateBackend(precision)
     return TorchBackend(device, precision)
 
 
@@ -383,9 +665,14 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, total, warmup, args.lr_scheduler, args.min_lr_ratio)
     )
+    can_ckpt = getattr(backend, "supports_checkpoints", True)
+    if (not can_ckpt and args.ckpt_dir is not None and args.resume
+            and (Path(args.ckpt_dir) / "meta.json").exists()):
+        raise QevolveError(f"{args.ckpt_dir}: an interrupted run left a checkpoint; resuming under DeepSpeed is "
+                           "not supported (delete it to start over, or resume without deepspeed)")
     model, optimizer, scheduler = backend.prepare(model, optimizer, scheduler)
     start_epoch, step = 0, 0
-    if args.ckpt_dir is not None and args.resume and (Path(args.ckpt_dir) / "meta.json").exists():
+    if can_ckpt and args.ckpt_dir is not None and args.resume and (Path(args.ckpt_dir) / "meta.json").exists():
         start_epoch, step, extra = load_checkpoint(Path(args.ckpt_dir), backend.unwrap(model), optimizer, scheduler)
         if hooks.load_extra_state is not None:
             hooks.load_extra_state(extra)
@@ -421,24 +708,36 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                     if args.max_steps and step >= args.max_steps:
                         done = True
                         break
-                    mine = micro_batches[backend.rank :: backend.world_size] or micro_batches[:1]
-                    weights = [float(micro_weight(m)) if micro_weight else 1.0 for m in mine]
-                    wsum = sum(weights) or 1.0
-                    optimizer.zero_grad(set_to_none=True)
+                    # rank r takes micro-batches r, r + W, ...; every rank runs the same number of
+                    # backward passes (collectives), a missing one is micro-batch 0 with weight 0.
+                    # Loss scale W * w / (sum of w over the WHOLE step): the gradient average over
+                    # ranks is then exactly the weighted mean of the step, however it was sharded.
+                    world = backend.world_size
+                    all_w = [float(micro_weight(m)) if micro_weight else 1.0 for m in micro_batches]
+                    wtot = sum(all_w) or 1.0
+                    n_local = -(-len(micro_batches) // world)
+                    mine = [(m, w, True) for m, w in zip(micro_batches[backend.rank :: world],
+                                                         all_w[backend.rank :: world], strict=True)]
+                    mine += [(micro_batches[0], 0.0, False)] * (n_local - len(mine))
+                    backend.zero_grad(optimizer)
                     agg: dict[str, float] = {}
                     loss_acc = 0.0
                     ntok = 0
-                    for m, w in zip(mine, weights, strict=False):
+                    for m, w, real in mine:
                         ctx = {"device": backend.device, "epoch": epoch, "step": step, "autocast": backend.autocast}
                         with backend.autocast():
                             loss, metrics = loss_fn(model, m, ctx)
-                        backend.backward(loss * (w / wsum))
-                        loss_acc += float(loss.detach()) * w / wsum
+                        backend.backward(loss * (w * world / wtot))
+                        loss_acc += float(loss.detach()) * w / wtot
                         for k, v in metrics.items():
-                            agg[k] = agg.get(k, 0.0) + float(v) * w / wsum
-                        ntok += int(micro_tokens(m)) if micro_tokens else 0
-                    gnorm = backend.clip_grad_norm(model, params, args.max_grad_norm)
-                    optimizer.step()
+                            agg[k] = agg.get(k, 0.0) + float(v) * w / wtot
+                        ntok += int(micro_tokens(m)) if (micro_tokens and real) else 0
+                    if world > 1:  # the logged numbers are those of the whole step
+                        keys = sorted(agg)
+                        red = backend.all_reduce_sum([loss_acc, float(ntok), *[agg[k] for k in keys]])
+                        loss_acc, ntok = red[0], int(round(red[1]))
+                        agg = dict(zip(keys, red[2:], strict=True))
+                    gnorm = backend.optimizer_step(model, optimizer, params, args.max_grad_norm)
                     scheduler.step()
                     step += 1
                     tokens_total += ntok
@@ -454,7 +753,7 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                         hooks.on_step(step, model)
                 if done:
                     break
-                if args.ckpt_dir is not None and backend.is_main and epoch + 1 < args.epochs:
+                if can_ckpt and args.ckpt_dir is not None and backend.is_main and epoch + 1 < args.epochs:
                     extra = hooks.extra_state() if hooks.extra_state is not None else None
                     save_checkpoint(Path(args.ckpt_dir), backend.unwrap(model), optimizer, scheduler,
                                     epoch + 1, step, extra)

@@ -84,3 +84,50 @@ def test_workers_step_in_parallel(tasks):
         out = pool.act_many([(t.task_id, "Action: inventory") for t in tasks[:2]])
         assert all(isinstance(r, Failure) for r in out.values())
         assert time.monotonic() - t0 < 2.8
+
+
+def test_submitted_requests_overlap_and_are_answered_in_order(tasks):
+    """Two tickets in flight on one worker: answered in order, each with its own results."""
+    with EnvPool("textcraft", workers=1, envs_per_worker=3, timeout_s=20) as pool:
+        t1 = pool.submit(resets=[("a", tasks[0]), ("b", tasks[1])], with_expert=True)
+        t2 = pool.submit(resets=[("c", tasks[2])], with_expert=True)  # queued behind t1 on the same worker
+        assert not t1.done and not t2.done  # submit does not wait
+        r2 = pool.wait(t2)  # waiting for the later ticket also takes in the earlier one's answers
+        assert t1.done and set(t1.results) == {"a", "b"} and set(r2) == {"c"}
+        plans = {k: r.info["expert_plan"] for k, r in {**t1.results, **r2}.items()}
+        # one request can free, restart and step episodes at once: release c, reset c again, step a and b
+        t3 = pool.submit(releases=["c"], resets=[("c", tasks[3])],
+                         acts=[("a", expert_output(plans["a"][0])), ("b", "Thought: x\nAction: inventory")])
+        t4 = pool.submit(acts=[("a", "Thought: x\nAction: inventory")])
+        r4, r3 = pool.wait(t4), pool.wait(t3)
+        assert isinstance(r3["c"], ResetResult) and tasks[3].data["goal"].replace("_", " ") in r3["c"].instruction
+        assert r3["b"].observation == "Inventory: You are not carrying anything."
+        assert r3["a"].command == plans["a"][0]
+        assert r4["a"].observation.startswith("Inventory: [")  # after t3's "get ..." of a: order kept
+        assert pool.stats["busy_step_s"] > 0 and pool.stats["busy_reset_s"] > 0
+        assert sorted(map(str, pool.live_keys)) == ["a", "b", "c"]
+
+
+def test_worker_killed_with_two_tickets_in_flight_fails_both(tasks):
+    with EnvPool("textcraft", workers=1, envs_per_worker=2, timeout_s=20) as pool:
+        pool.reset_many([("a", tasks[0]), ("b", tasks[1])])
+        pid = pool.pid_of("a")
+        os.kill(pid, signal.SIGSTOP)  # the worker cannot answer until it is killed
+        t1 = pool.submit(acts=[("a", "Action: inventory")])
+        t2 = pool.submit(acts=[("b", "Action: inventory")])
+        os.kill(pid, signal.SIGKILL)
+        r1, r2 = pool.wait(t1), pool.wait(t2)
+        assert isinstance(r1["a"], Failure) and r1["a"].error.startswith("worker crashed")
+        assert isinstance(r2["b"], Failure) and r2["b"].error.startswith("worker crashed")
+        assert pool.live_keys == [] and pool.stats["restarts"] == 1
+        assert isinstance(pool.reset_many([("a", tasks[0])])["a"], ResetResult)
+
+
+def test_answers_left_unread_past_the_timeout_are_not_a_timeout(tasks):
+    """While the caller generates for another lane, finished answers may sit unread in the pipe."""
+    with EnvPool("textcraft", workers=1, envs_per_worker=1, timeout_s=1.0) as pool:
+        pool.reset_many([("a", tasks[0])])
+        t = pool.submit(acts=[("a", "Thought: x\nAction: inventory")])
+        time.sleep(2.5)  # the caller is busy for longer than the timeout
+        res = pool.wait(t)
+        assert not isinstance(res["a"], Failure) and pool.stats["restarts"] == 0

@@ -60,3 +60,47 @@ def test_step_limit_gives_final_partial_score(sw):
     assert [o[1] for o in out[:-1]] == [0.0, 0.0, 0.0]
     assert out[-1][1] == pytest.approx(out[-1][3]["score"]) and 0.0 <= out[-1][1] < 1.0
     assert env.max_steps == 24
+
+
+def test_environments_of_a_process_share_one_jvm_and_no_state():
+    """Interleaved episodes of two envs in one JVM equal the same episodes in separate JVMs."""
+    import os
+    import signal
+
+    tasks = [list_tasks("sciworld", "train")[i] for i in (1, 4)]
+    a, b = make_env("sciworld"), make_env("sciworld")
+    own = make_env("sciworld", shared_jvm=False)
+    try:
+        assert a.java_pid == b.java_pid != own.java_pid
+        obs = [e.reset(t, with_expert=True, max_steps=1000) for e, t in zip((a, b), tasks, strict=True)]
+        plans = [a.expert_plan(), b.expert_plan()]
+        logs: list[list[str]] = [[], []]
+        for i in range(max(map(len, plans))):
+            for k, (e, plan) in enumerate(zip((a, b), plans, strict=True)):
+                if i < len(plan) and not (logs[k] and logs[k][-1] == "<done>"):
+                    res = act(e, expert_output(plan[i]))
+                    logs[k].append(res.observation)
+                    if res.done:
+                        assert res.reward == 1.0
+                        logs[k].append("<done>")
+        for k, t in enumerate(tasks):  # the reference: each episode alone in its own JVM
+            assert own.reset(t, max_steps=1000) == obs[k]
+            ref = []
+            for cmd in plans[k]:
+                res = act(own, expert_output(cmd))
+                ref.append(res.observation)
+                if res.done:
+                    ref.append("<done>")
+                    break
+            assert ref == logs[k], tasks[k].task_id
+        # a JVM that died is started again by the next environment of the process
+        dead = a.java_pid
+        os.kill(dead, signal.SIGKILL)
+        a._host._gateway.java_process.wait(timeout=30)
+        c = make_env("sciworld")
+        assert c.java_pid != dead
+        assert c.reset(tasks[0]).startswith("This room is called")
+        c.close()
+    finally:
+        for e in (a, b, own):
+            e.close()

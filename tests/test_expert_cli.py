@@ -46,3 +46,36 @@ def test_collect_expert_sciworld_library_matches_gold(tmp_path):
     assert stats["succeeded"] == 2 and df["traj_id"].n_unique() == 2
     last = df.filter(pl.col("done"))
     assert last["reward_env"].to_list() == [1.0, 1.0]
+
+
+def test_select_shard_partitions_tasks_exactly():
+    from qevolve_cli.commands.expert import select_shard
+    from qevolve_cli.errors import QevolveError
+
+    for n_tasks in (0, 1, 7, 10, 3554):
+        tasks = list(range(n_tasks))
+        for n in (1, 3, 4, 12):
+            parts = [select_shard(tasks, f"{i}/{n}") for i in range(n)]
+            assert sum(parts, []) == tasks  # contiguous, in order, no overlap, nothing lost
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    for bad in ("3/3", "-1/2", "1", "a/b", "0/0"):
+        try:
+            select_shard([1, 2], bad)
+        except QevolveError as e:
+            assert "--shard" in str(e)
+        else:
+            raise AssertionError(bad)
+
+
+def test_expert_cli_shard_selects_its_block(tmp_path):
+    out = tmp_path / "s.parquet"
+    proc = run_qevolve("expert", "--env", "textcraft", "--limit", "5", "--shard", "1/2", "--out", out,
+                       "--json", "--quiet", check=True)
+    import json
+
+    summary = json.loads(proc.stdout)
+    assert summary["tasks"] == 2 and summary["shard"] == "1/2"
+    from qevolve_cli.envs.registry import list_tasks
+
+    want = {t.task_id for t in list_tasks("textcraft", "train", 5)[3:5]}
+    assert set(read_table(out)["task_id"]) == want

@@ -344,3 +344,14 @@ def test_vllm_backend_rollout(react_model_dir: Path, tmp_path: Path) -> None:
     a = df.filter(pl.col("sample") == 0).sort(["task_id", "step"])["action"].to_list()
     b = df.filter(pl.col("sample") == 1).sort(["task_id", "step"])["action"].to_list()
     assert a == b
+
+
+def test_lane_sizes_split_capacity_evenly() -> None:
+    from qevolve_cli.rollout.loop import lane_sizes
+
+    assert lane_sizes(8, 2) == [4, 4] and lane_sizes(7, 2) == [4, 3] and lane_sizes(5, 3) == [2, 2, 1]
+    assert lane_sizes(1, 2) == [1]  # never an empty lane
+    for cap in range(1, 20):
+        for n in range(1, 6):
+            sizes = lane_sizes(cap, n)
+            assert sum(sizes) == cap and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1

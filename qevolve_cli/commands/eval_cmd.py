@@ -13,6 +13,7 @@ from qevolve_cli.commands.rollout import (
     BaseUrlOpt,
     EnvsPerWorkerOpt,
     IterationOpt,
+    LanesOpt,
     MaxNewTokensOpt,
     MaxStepsOpt,
     MaxTasksOpt,
@@ -75,6 +76,7 @@ def register(app: typer.Typer) -> None:
         temperature: Annotated[float | None, typer.Option("--temperature", help="Decoding temperature (default 0 = greedy).")] = None,
         workers: WorkersOptN = None,
         envs_per_worker: EnvsPerWorkerOpt = None,
+        lanes: LanesOpt = None,
         backend: BackendOpt = None,
         base_url: BaseUrlOpt = None,
         critic: Annotated[Path | None, typer.Option("--critic", help="Critic directory: rerank candidates by Q - V.")] = None,
@@ -94,7 +96,7 @@ def register(app: typer.Typer) -> None:
 
             cfg = resolve_config(config, {
                 "env": env, "split": split, "max_tasks": max_tasks, "eval_temperature": temperature,
-                "workers": workers, "envs_per_worker": envs_per_worker, "backend": backend, "base_url": base_url,
+                "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
                 "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
                 "candidates": candidates,
             })

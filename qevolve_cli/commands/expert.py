@@ -30,7 +30,24 @@ Only successful replays are written unless --keep-failed. Prints the success rat
 Examples:
   qevolve expert --env textcraft --split train --out expert.parquet
   qevolve expert --env sciworld --split train --limit 200 --workers 2 --out sci_expert.parquet --json
+  for i in 0 1 2 3; do qevolve expert --env alfworld --shard $i/4 --out alf_$i.parquet --json; done
 """
+
+
+def select_shard(tasks: list, shard: str) -> list:
+    """Shard ``I/N`` (0-based) of ``tasks``: the I-th of N contiguous blocks whose sizes differ by at most one."""
+    from qevolve_cli.errors import QevolveError
+
+    try:
+        i_s, n_s = shard.split("/")
+        i, n = int(i_s), int(n_s)
+    except ValueError:
+        raise QevolveError(f"--shard: expected I/N (e.g. 0/4), got {shard!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise QevolveError(f"--shard: need N >= 1 and 0 <= I < N, got {shard!r}")
+    base, extra = divmod(len(tasks), n)
+    start = i * base + min(i, extra)
+    return tasks[start:start + base + (1 if i < extra else 0)]
 
 
 def register(app: typer.Typer) -> None:
@@ -40,6 +57,8 @@ def register(app: typer.Typer) -> None:
         out: OutOpt,
         split: SplitOpt = "train",
         limit: Annotated[int | None, typer.Option("--limit", "-n", help="Only the first N tasks of the split.")] = None,
+        shard: Annotated[str | None, typer.Option("--shard", help="Only shard I of N (I/N, 0-based) of the selected tasks, in contiguous blocks: "
+                                                               "split a long replay across runs or nodes.")] = None,
         workers: WorkersOpt = 1,
         keep_failed: Annotated[bool, typer.Option("--keep-failed", help="Also write replays that did not succeed.")] = False,
         timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds an env step may take before its worker is restarted.")] = 120.0,
@@ -56,8 +75,10 @@ def register(app: typer.Typer) -> None:
             if workers < 1:
                 raise QevolveError(f"--workers must be >= 1, got {workers}")
             tasks = list_tasks(env, split, limit)
+            if shard is not None:
+                tasks = select_shard(tasks, shard)
             if not tasks:
-                raise QevolveError(f"{env}/{split}: no tasks selected (--limit {limit})")
+                raise QevolveError(f"{env}/{split}: no tasks selected (--limit {limit}, --shard {shard})")
             stats: dict = {}
             with progress(quiet) as prog:
                 bar = prog.add_task(f"expert {env}/{split}", total=len(tasks), info="")
@@ -68,7 +89,7 @@ def register(app: typer.Typer) -> None:
                 raise QevolveError(f"{env}/{split}: no successful expert trajectory "
                                    f"({stats['failed']} failed, {stats['errors']} errors)")
             write_table(df, out, producer="qevolve expert")
-            summary = {"env": env, "split": split, "out": str(out), "tasks": stats["tasks"],
+            summary = {"env": env, "split": split, "shard": shard, "out": str(out), "tasks": stats["tasks"],
                        "succeeded": stats["succeeded"], "failed": stats["failed"], "errors": stats["errors"],
                        "success_rate": round(stats["success_rate"], 4), "trajectories": df["traj_id"].n_unique(),
                        "steps": df.height}

@@ -29,7 +29,9 @@ def register(app: typer.Typer) -> None:
     def init_model(
         out: OutOpt,
         arch: Annotated[str, typer.Option("--arch", help="Architecture: llama or qwen2.")] = "llama",
-        size: Annotated[str, typer.Option("--size", help="tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers).")] = "tiny",
+        size: Annotated[str, typer.Option("--size", help=(
+            "tiny (hidden 64, 2 layers), small (hidden 256, 4 layers) or tiny-tc (tiny whose tokenizer also "
+            "learned the TextCraft recipe vocabulary: the size for BC on TextCraft)."))] = "tiny",
         seed: SeedOpt = 0,
         json_out: JsonOpt = False,
     ) -> None:

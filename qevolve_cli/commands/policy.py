@@ -69,8 +69,11 @@ def register(app: typer.Typer) -> None:
             overrides = {**parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
             cfg = load_policy_config(config, preset, overrides)
             from qevolve_cli.policy.trainer import train_policy
+            from qevolve_cli.training import is_main_process
 
             metrics = train_policy(cfg, data, model, out, ref=ref, quiet=quiet)
+            if not is_main_process():  # ranks > 0 of a multi-process (DeepSpeed) launch stay silent
+                return
             if json_out:
                 emit_json(metrics)
             else:

@@ -49,6 +49,8 @@ BaseUrlOpt = Annotated[str | None, typer.Option("--base-url", help="OpenAI-compa
 MaxTasksOpt = Annotated[int | None, typer.Option("--max-tasks", help="Only the first N tasks of the split.")]
 WorkersOptN = Annotated[int | None, typer.Option("--workers", "-w", help="Environment worker processes.")]
 EnvsPerWorkerOpt = Annotated[int | None, typer.Option("--envs-per-worker", help="Live episodes per worker.")]
+LanesOpt = Annotated[int | None, typer.Option("--lanes", help="Split the live episodes into N lanes: generate for one "
+                                              "while the workers step the others (1 = no overlap; default 2).")]
 MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens generated per turn.")]
 MaxStepsOpt = Annotated[int | None, typer.Option("--max-steps", help="Turns per episode (0 = the env's limit).")]
 IterationOpt = Annotated[int | None, typer.Option("--iteration", help="Evolving iteration recorded in the table.")]
@@ -111,6 +113,7 @@ def register(app: typer.Typer) -> None:
         max_tasks: MaxTasksOpt = None,
         workers: WorkersOptN = None,
         envs_per_worker: EnvsPerWorkerOpt = None,
+        lanes: LanesOpt = None,
         backend: BackendOpt = None,
         base_url: BaseUrlOpt = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Random seed (same seed -> same table with hf on CPU).")] = None,
@@ -128,7 +131,7 @@ def register(app: typer.Typer) -> None:
 
             cfg = resolve_config(config, {
                 "env": env, "split": split, "n_per_task": n_per_task, "temperature": temperature,
-                "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker,
+                "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes,
                 "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
             })

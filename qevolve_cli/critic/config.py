@@ -70,7 +70,9 @@ class CriticConfig(ConfigBase):
     dtype: str = field("auto", help="Backbone dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.",
                        choices=("auto", "float32", "bfloat16"))
     gradient_checkpointing: bool = field(False, help="Recompute backbone activations in the backward pass (long sequences on GPU).")
-    checkpoint: bool = field(True, help="Save a resumable checkpoint after every epoch (OUT.partial/).")
+    checkpoint: bool = field(True, help="Save a resumable checkpoint after every epoch (OUT.partial/; not under DeepSpeed).")
+    deepspeed: str | None = field(None, help="DeepSpeed config for data-parallel training (ZeRO stage 0-2, e.g. "
+                                             "configs/deepspeed/zero2.json; stage 3 is refused); launch with torchrun.")
 
     def validate(self, source: Any = None, prefix: str = "") -> None:
         if not self.lora_target_modules:

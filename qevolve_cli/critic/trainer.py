@@ -70,11 +70,22 @@ def pad_id_of(tok: Any) -> int:
 
 
 class _Group:
-    """One optimiser + schedule over (adapter params, head params)."""
+    """One optimiser + schedule over (adapter params, head params).
 
-    def __init__(self, adapter: list, heads: list, cfg: CriticConfig, total: int):
+    Under DeepSpeed (``ds``) the optimiser is the client optimiser of its OWN engine over the
+    critic module: ZeRO registers gradient hooks, partitions optimiser state and clips only for
+    this branch's parameters, so a Q update never touches the V branch's parameters or Adam
+    moments and vice versa (exactly the two independent optimisers of the paper).
+    """
+
+    def __init__(self, adapter: list, heads: list, cfg: CriticConfig, total: int, ds: Any = None,
+                 module: Any = None):
         groups = [{"params": adapter, "lr": cfg.lr}, {"params": heads, "lr": cfg.head_lr or cfg.lr}]
         self.opt = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+        self.engine = None
+        if ds is not None:
+            conf = ds.resolve(module, grad_accum=1, max_grad_norm=cfg.grad_clip, managed_accumulation=True)
+            self.engine, _ = ds.initialize(module, self.opt, conf)
         self.base = [g["lr"] for g in groups]
         self.total = max(1, total)
         self.warmup = int(round(cfg.warmup_ratio * self.total))
@@ -90,11 +101,15 @@ class _Group:
             g["lr"] = b * f
 
     def step(self, loss: torch.Tensor) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.opt.step()
+        if self.engine is not None:  # DeepSpeed: gradient averaging over ranks, clipping (grad_clip), step
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()
+        else:
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            self.opt.step()
         self.step_i += 1
         self._set_lr()
 
@@ -111,16 +126,19 @@ class CriticTrainer:
     """Holds the critic, its two optimisers and the update counter n."""
 
     def __init__(self, critic: CriticModel, cfg: CriticConfig, items: list[TrajItem], pad_id: int,
-                 per_step: bool = False):
+                 per_step: bool = False, ds: Any = None):
         self.critic, self.cfg, self.items, self.pad_id = critic, cfg, items, pad_id
+        self.ds = ds  # a training.DeepSpeedBackend (data parallel over its ranks) or None
+        self.rank, self.world = (ds.rank, ds.world_size) if ds is not None else (0, 1)
+        self.loss_scale = 1.0  # world * (this rank's share of the batch loss); see run_epoch
         self.per_step = per_step  # naive layout (one row per step): the benchmark's baseline
         self.device = next(critic.heads.parameters()).device
         n_batches = math.ceil(len(items) / cfg.batch_size) * cfg.epochs
         q_total = n_batches if cfg.schedule == "both" else (n_batches + 1) // 2
         v_total = n_batches if cfg.schedule == "both" else n_batches // 2
         critic.enable_training()
-        self.q = _Group(*critic.q_parameters(), cfg, q_total)
-        self.v = _Group(*critic.value_parameters(), cfg, v_total)
+        self.q = _Group(*critic.q_parameters(), cfg, q_total, ds, critic)
+        self.v = _Group(*critic.value_parameters(), cfg, v_total, ds, critic)
         self.n = 0  # optimisation steps so far (Q and V together)
 
     # ---------------------------------------------------------------- updates
@@ -133,7 +151,7 @@ class CriticTrainer:
         q1, q2 = c.head("q1", h_sa), c.head("q2", h_sa)
         y = td_target(b.reward, b.done, v_next, cfg.gamma)
         loss = critic_q_loss(q1, q2, y, b.weight, b.step_mask, cfg.reduction)
-        self.q.step(loss)
+        self.q.step(loss * self.loss_scale)
         m = b.step_mask
         with torch.no_grad():
             td = 0.5 * ((q1 - y).abs() + (q2 - y).abs())
@@ -148,7 +166,7 @@ class CriticTrainer:
         (h_s,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s)
         v = c.head("v", h_s)
         loss = critic_v_loss(v, qt1, qt2, b.weight, b.step_mask, cfg.expectile, cfg.reduction)
-        self.v.step(loss)
+        self.v.step(loss * self.loss_scale)
         m = b.step_mask
         return {"loss_v": float(loss.detach()), "mean_v": float(v.detach()[m].mean()),
                 "mean_qbar": float(torch.minimum(qt1, qt2)[m].mean())}
@@ -169,14 +187,24 @@ class CriticTrainer:
         for start in range(0, len(order), cfg.batch_size):
             chosen = order[start:start + cfg.batch_size]
             picks = [(int(i), sample_steps(self.items[i], cfg.steps_per_traj, rng)) for i in chosen]
+            share, step_share = 1.0, 1.0
+            batch_steps = sum(len(idx) for _, idx in picks)
+            if self.world > 1:
+                # every rank drew the same picks (same rng); rank r trains on picks r, r + W, ...
+                mine = picks[self.rank :: self.world]
+                share, step_share = self._share(picks, mine)
+                picks = mine or picks[:1]  # a rank without trajectories still joins the collectives (scale 0)
+                self.loss_scale = self.world * share
             b = collate(self.items, picks, self.pad_id, self.device, per_step=self.per_step)
             kinds = ["q", "v"] if cfg.schedule == "both" else ["q" if self.n % 2 == 0 else "v"]
             for kind in kinds:
                 stats = self.q_update(b) if kind == "q" else self.v_update(b)
+                if self.world > 1:
+                    stats = self._reduce_stats(stats, share, step_share)
                 counts[f"{kind}_updates"] += 1
                 counts["forward_calls"] += 2
                 counts["forward_rows"] += 2 * b.input_ids.shape[0]
-                counts["transitions"] += b.n_steps
+                counts["transitions"] += batch_steps
                 for k, v in stats.items():
                     sums.setdefault(k, []).append(v)
                 self._after_update()
@@ -193,6 +221,33 @@ class CriticTrainer:
         out["lr_q"] = self.q.opt.param_groups[0]["lr"]
         out["lr_v"] = self.v.opt.param_groups[0]["lr"]
         return out
+
+    def _share(self, picks: list, mine: list) -> tuple[float, float]:
+        """(this rank's share of the batch loss, its share of the batch's sampled steps).
+
+        The loss of the local rows times ``world * share`` makes DeepSpeed's gradient average equal
+        to the gradient of the whole batch's loss for every reduction (traj_sum: mean over rows;
+        sum; mean over steps).
+        """
+        def rows_steps(ps: list) -> tuple[int, int]:
+            n = [len(idx) for _, idx in ps]
+            return (sum(n) if self.per_step else sum(1 for k in n if k)), sum(n)
+
+        rows, steps = rows_steps(picks)
+        my_rows, my_steps = rows_steps(mine)
+        step_share = my_steps / max(steps, 1)
+        if self.cfg.reduction == "traj_sum":
+            return my_rows / max(rows, 1), step_share
+        if self.cfg.reduction == "mean":
+            return step_share, step_share
+        return (1.0 if mine else 0.0), step_share
+
+    def _reduce_stats(self, stats: dict[str, float], share: float, step_share: float) -> dict[str, float]:
+        """Batch-level numbers from the ranks' local ones (losses by loss share, means by step share)."""
+        keys = sorted(stats)
+        w = [share if k.startswith("loss") else step_share for k in keys]
+        red = self.ds.all_reduce_sum([stats[k] * wk for k, wk in zip(keys, w, strict=True)])
+        return dict(zip(keys, red, strict=True))
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -211,6 +266,32 @@ class CriticTrainer:
         self.q.load_state_dict(s["q"])
         self.v.load_state_dict(s["v"])
         self.n = int(s["n"])
+
+
+def deepspeed_backend(cfg: CriticConfig):
+    """The DeepSpeed backend of ``cfg.deepspeed`` (None without one); refuses what the critic cannot do exactly.
+
+    ZeRO-3 is refused: it partitions parameters inside ONE engine, whose optimiser steps every
+    parameter group on every step (Adam moves the inactive branch from its moments even with zero
+    gradients), so the alternating Q / V updates with two independent optimisers cannot be kept
+    exact; stages 0-2 use one engine per branch. bf16/fp16 engines are refused: DeepSpeed would
+    cast the adapters and heads (and the q_target EMA, lambda 0.005) to 16 bits; ``dtype`` sets
+    the frozen backbone's precision instead.
+    """
+    if not cfg.deepspeed:
+        return None
+    from qevolve_cli.training import DeepSpeedBackend, load_deepspeed_config
+
+    raw = load_deepspeed_config(cfg.deepspeed, "deepspeed")
+    stage = raw.get("zero_optimization", {}).get("stage", 0)
+    if stage == 3:
+        raise QevolveError(f"{cfg.deepspeed}: field zero_optimization.stage: the critic supports ZeRO stages 0-2 "
+                           "(stage 3 cannot keep the two alternating optimisers exact; use configs/deepspeed/zero2.json)")
+    for key in ("bf16", "fp16"):
+        if isinstance(raw.get(key), dict) and raw[key].get("enabled") is True:
+            raise QevolveError(f"{cfg.deepspeed}: field {key}.enabled: the critic trains its adapters and heads in "
+                               "fp32 (set it to auto or false; `dtype` sets the frozen backbone's precision)")
+    return DeepSpeedBackend(cfg.deepspeed, "fp32", cfg.device, 1, cfg.grad_clip)
 
 
 def _partial_dir(out: Path) -> Path:
@@ -238,8 +319,10 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     items = [it for it in items if it.usable.any()]
     if not items:
         raise QevolveError(f"{source or 'data'}: no trajectory fits max_length={cfg.max_length}")
-    critic = CriticModel.create(model, cfg)
-    trainer = CriticTrainer(critic, cfg, items, pad_id_of(tok))
+    ds = deepspeed_backend(cfg)
+    critic = CriticModel.create(model, cfg, device=torch.device(ds.device) if ds is not None else None)
+    trainer = CriticTrainer(critic, cfg, items, pad_id_of(tok), ds=ds)
+    main = ds is None or ds.is_main
 
     fingerprint = {"config": cfg.hash(), "model": str(Path(model).resolve()), "n_items": len(items),
                    "n_steps": int(sum(it.n_steps for it in items)),
@@ -248,7 +331,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     metrics: list[dict[str, Any]] = []
     start_epoch = 0
     ck = partial / "state.pt"
-    if resume and ck.is_file():
+    if resume and ck.is_file() and ds is None:  # DeepSpeed runs write no checkpoints and start over
         info = json.loads((partial / "progress.json").read_text())
         if info.get("fingerprint") == fingerprint:
             trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=True))
@@ -258,11 +341,11 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
             shutil.rmtree(partial, ignore_errors=True)
 
     n_batches = math.ceil(len(items) / cfg.batch_size)
-    cb = progress((cfg.epochs - start_epoch) * n_batches) if progress else None
+    cb = progress((cfg.epochs - start_epoch) * n_batches) if (progress and main) else None
     for epoch in range(start_epoch, cfg.epochs):
         m = trainer.run_epoch(epoch, cb)
         metrics.append(m)
-        if cfg.checkpoint and epoch + 1 < cfg.epochs:
+        if cfg.checkpoint and ds is None and epoch + 1 < cfg.epochs:
             partial.mkdir(parents=True, exist_ok=True)
             with atomic_path(ck) as tmp:
                 torch.save(trainer.state_dict(), tmp)
@@ -275,12 +358,17 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
         "epochs": cfg.epochs, "resumed_from_epoch": start_epoch, "final": metrics[-1] if metrics else None,
         "seconds": round(time.perf_counter() - t_start, 3),
     }
-    with atomic_dir(out) as tmp:
-        critic.save(tmp, tok, extra_meta={"trained_on": str(source) if source else None,
-                                          "gamma": cfg.gamma, "expectile": cfg.expectile})
-        dump_yaml(cfg, tmp / "config.yaml")
-        (tmp / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    shutil.rmtree(partial, ignore_errors=True)
+    if ds is not None:
+        summary["deepspeed"] = {"config": str(cfg.deepspeed), "stage": ds.stage, "world_size": ds.world_size}
+    if main:  # ZeRO-2 keeps full parameters on every rank: rank 0 writes them
+        with atomic_dir(out) as tmp:
+            critic.save(tmp, tok, extra_meta={"trained_on": str(source) if source else None,
+                                              "gamma": cfg.gamma, "expectile": cfg.expectile})
+            dump_yaml(cfg, tmp / "config.yaml")
+            (tmp / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+            (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        shutil.rmtree(partial, ignore_errors=True)
+    if ds is not None:
+        ds.barrier()
     summary["metrics"] = metrics
     return summary

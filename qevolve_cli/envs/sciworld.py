@@ -16,6 +16,11 @@
 * Reward: final score/100 clipped to [0, 1] on the last step (score < 0 = task failed).
 * Expert: the gold action sequence (``load(..., generateGoldPath=True)``), without the bare
   numeric answers to ambiguity prompts (the adapter answers those itself).
+* One JVM per process (``shared_jvm=True``, the default): every environment of a process is its
+  own ``PythonInterface`` simulator object inside one JVM (the instances share no state; a test
+  checks that interleaved episodes equal separate ones). A worker holding 4 live episodes runs one
+  JVM, not 4: a quarter of the memory, and the JIT warms up once for all of them. A JVM that
+  died is started again by the next environment created in the process.
 """
 from __future__ import annotations
 
@@ -28,26 +33,68 @@ SIMPLIFICATION = "easy"
 AMBIGUOUS_PREFIX = "Ambiguous request"
 
 
+_SHARED_JVM: Any = None  # the process's ScienceWorldEnv whose JVM hosts every shared-JVM environment
+
+
+def _jvm_alive(sw: Any) -> bool:
+    proc = getattr(getattr(sw, "_gateway", None), "java_process", None)
+    return proc is not None and proc.poll() is None
+
+
+def shared_jvm() -> Any:
+    """The process's JVM host (a ``ScienceWorldEnv``), started on first use and again if it died."""
+    global _SHARED_JVM
+    from scienceworld import ScienceWorldEnv
+
+    if _SHARED_JVM is None or not _jvm_alive(_SHARED_JVM):
+        if _SHARED_JVM is not None:
+            try:
+                _SHARED_JVM.close()
+            except Exception:
+                pass
+        _SHARED_JVM = ScienceWorldEnv("", envStepLimit=10_000)
+    return _SHARED_JVM
+
+
 class SciWorldEnv(Env):
     name = "sciworld"
     default_max_steps = DEFAULT_MAX_STEPS
 
-    def __init__(self, max_steps: int | None = None, simplification: str = SIMPLIFICATION, **_: Any):
+    def __init__(self, max_steps: int | None = None, simplification: str = SIMPLIFICATION, shared_jvm: bool = True,
+                 **_: Any):
         super().__init__(max_steps)
         from scienceworld import ScienceWorldEnv
 
         self.simplification = simplification
-        self._sw = ScienceWorldEnv("", envStepLimit=10_000)
-        self._server = self._sw.server
+        self.shared_jvm = bool(shared_jvm)
+        if self.shared_jvm:
+            self._host = globals()["shared_jvm"]()
+            self._own: Any = None
+            self._server = self._host._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+        else:
+            self._own = self._host = ScienceWorldEnv("", envStepLimit=10_000)
+            self._server = self._own.server
         self._gold: list[str] = []
 
+    @property
+    def java_pid(self) -> int | None:
+        """Process id of the JVM this environment runs in."""
+        proc = getattr(self._host._gateway, "java_process", None)
+        return getattr(proc, "pid", None)
+
     def _reset(self, task: Task, with_expert: bool) -> tuple[str, str]:
+        from scienceworld.utils import infer_task
+
         name = task.data.get("task_name")
         var = task.data.get("variation")
         if name is None or var is None:
             _, name, var = task.task_id.split(":")
-        self._sw.load(name, int(var), self.simplification, generateGoldPath=with_expert)
-        self._gold = [a for a in self._sw.get_gold_action_sequence() if not a.strip().isdigit()] if with_expert else []
+        name = infer_task(name)
+        if name not in set(self._host.get_task_names()):
+            raise ValueError(f"unknown ScienceWorld task {name!r}")
+        self._server.load(name, int(var), self.simplification, bool(with_expert))
+        self._gold = ([a for a in self._server.getGoldActionSequence() if not str(a).strip().isdigit()]
+                      if with_expert else [])
         self._server.reset()
         obs = str(self._server.step("look around"))
         desc = str(self._server.freeActionTaskDesc())
@@ -72,10 +119,14 @@ class SciWorldEnv(Env):
         return list(self._gold)
 
     def close(self) -> None:
-        try:
-            self._sw.close()
-        except Exception:
-            pass
+        """Drop this simulator (the shared JVM stays for the process's other environments)."""
+        self._server = None
+        if self._own is not None:
+            try:
+                self._own.close()
+            except Exception:
+                pass
+            self._own = None
 
 
 def task_id(task_name: str, variation: int) -> str:

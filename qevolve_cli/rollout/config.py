@@ -47,6 +47,8 @@ class RolloutConfig(ConfigBase):
     gen_batch_size: int = field(64, help="Maximum prompts per hf generate call.", ge=1)
     workers: int = field(2, help="Environment worker processes.", ge=1)
     envs_per_worker: int = field(4, help="Live episodes per worker (live batch = workers x envs_per_worker).", ge=1)
+    lanes: int = field(2, help="Live episodes are split into this many lanes: the policy generates for one lane while "
+                       "the workers step the others (1 = one batch per round, no overlap).", ge=1)
     env_timeout_s: float = field(120.0, help="Seconds one environment call may take before its worker is restarted.",
                                  gt=0.0)
     request_timeout_s: float = field(300.0, help="HTTP timeout of the openai backend.", gt=0.0)

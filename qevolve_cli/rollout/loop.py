@@ -1,19 +1,24 @@
 """The batched rollout loop: the policy plays many episodes at once (continuous batching).
 
-Each round:
+The live episodes (``workers * envs_per_worker``) are split into ``lanes``
+(default 2). Each lane cycles through:
 
-1. **fill** — while fewer than ``workers * envs_per_worker`` episodes are live and
-   (task, sample) pairs remain, new episodes are reset in the worker pool (one
-   ``reset_many`` call for all of them);
-2. **generate** — one backend call for every live episode waiting for an action.
-   The prompt is built by :func:`qevolve_cli.transcript.build_messages` (the one
-   transcript builder); when it would exceed the context
-   (``backend.fits``), :func:`qevolve_cli.transcript.truncate` keeps the
-   instruction and the most recent turns and the step records ``truncated``;
-3. **act** — one ``act_many`` call steps every episode in the pool's worker
-   processes in parallel (format errors do not reach the environment);
-4. finished episodes (``done``, the step limit, or a worker failure) leave the
-   batch, are appended to the **journal** and new pairs join in the next fill.
+1. **generate** — one backend call for every live episode of the lane. The
+   prompt is built by :func:`qevolve_cli.transcript.build_messages` (the one
+   transcript builder); when it would exceed the context (``backend.fits``),
+   :func:`qevolve_cli.transcript.truncate` keeps the instruction and the most
+   recent turns and the step records ``truncated``;
+2. **submit** — one non-blocking pool request per worker: free the slots of
+   episodes cut by our step limit, reset new (task, sample) pairs into free
+   slots (continuous batching), and step every episode with its action
+   (format errors do not reach the environment);
+3. **wait** for the lane's answers; finished episodes (``done``, the step
+   limit, or a worker failure) leave the lane and are appended to the
+   **journal**.
+
+While the workers step one lane, the policy generates for the next one, so
+generation and environment time overlap (``lanes: 1`` plays all live episodes
+in one batch per round, without overlap).
 
 The journal (``<out>.journal.jsonl``, beside the output) is append-only: a
 header line, then one line per finished episode with all its rows, flushed and
@@ -63,8 +68,9 @@ class RolloutStats:
     steps: int = 0  # agent turns played in this process
     rounds: int = 0
     gen_s: float = 0.0
-    env_s: float = 0.0
-    reset_s: float = 0.0
+    env_s: float = 0.0  # seconds the policy waited for the environments (not overlapped with generation)
+    reset_s: float = 0.0  # seconds the workers spent in env resets (summed over workers)
+    step_s: float = 0.0  # seconds the workers spent in env steps (summed over workers)
     wall_s: float = 0.0
     truncated_steps: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -77,7 +83,7 @@ class RolloutStats:
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("total", "done", "resumed", "successes", "failed", "steps", "rounds",
                                            "truncated_steps")}
-        d.update({k: round(getattr(self, k), 3) for k in ("gen_s", "env_s", "reset_s", "wall_s")})
+        d.update({k: round(getattr(self, k), 3) for k in ("gen_s", "env_s", "reset_s", "step_s", "wall_s")})
         d["steps_per_s"] = round(self.steps / self.wall_s, 3) if self.wall_s > 0 else 0.0
         return d
 
@@ -279,36 +285,31 @@ def play(
     return st
 
 
+def lane_sizes(capacity: int, lanes: int) -> list[int]:
+    """Split ``capacity`` live episodes into ``lanes`` lanes whose sizes differ by at most one."""
+    n = max(1, min(int(lanes), int(capacity)))
+    base, extra = divmod(int(capacity), n)
+    return [base + (1 if k < extra else 0) for k in range(n)]
+
+
+@dataclass
+class _Lane:
+    size: int
+    eps: dict[tuple[str, int], _Episode] = field(default_factory=dict)  # its live episodes
+    joining: dict[tuple[str, int], _Episode] = field(default_factory=dict)  # reset in flight
+    outs: dict[tuple[str, int], tuple[str, bool]] = field(default_factory=dict)  # action in flight, truncated
+    ticket: Any = None
+
+
 def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature, source, chooser, on_progress,
             st, t_start) -> None:
+    """Pipelined play: the live episodes are split into lanes; while the workers step one lane's
+    episodes the policy generates the next actions of another (``cfg.lanes``; 1 = no overlap)."""
     from qevolve_cli.envs.pool import Failure
 
-    capacity = pool.capacity
-    while pending or live:
-        # 1. fill the batch
-        new: list[_Episode] = []
-        while pending and len(live) + len(new) < capacity:
-            new.append(pending.pop())
-        if new:
-            t0 = time.perf_counter()
-            res = pool.reset_many([(ep.key, ep.task) for ep in new], max_steps=cfg.max_steps or None)
-            st.reset_s += time.perf_counter() - t0
-            for ep in new:
-                r = res.get(ep.key)
-                if r is None or isinstance(r, Failure):
-                    live[ep.key] = ep
-                    finish(ep, getattr(r, "error", None) or "reset failed")
-                    continue
-                ep.instruction = r.instruction
-                ep.observations = [r.observation]
-                ep.max_steps = cfg.max_steps if cfg.max_steps > 0 else int(r.max_steps or 0)
-                live[ep.key] = ep
-            if on_progress:
-                on_progress(st)
-        if not live:
-            continue
-        # 2. one generation call for every live episode
-        eps = list(live.values())
+    lanes = [_Lane(n) for n in lane_sizes(pool.capacity, cfg.lanes)]
+
+    def generate(eps: list[_Episode]) -> tuple[list[str], list[bool]]:
         reqs: list[Request] = []
         trunc: list[bool] = []
         for ep in eps:
@@ -325,25 +326,54 @@ def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature,
         else:
             outs = [o[0] for o in backend.generate(reqs, temperature=temperature, top_p=cfg.top_p)]
         st.gen_s += time.perf_counter() - t0
-        # 3. step every episode in the pool
-        t0 = time.perf_counter()
-        results = pool.act_many([(ep.key, out) for ep, out in zip(eps, outs, strict=True)])
-        st.env_s += time.perf_counter() - t0
-        st.rounds += 1
-        release = []
-        for ep, out, tr_flag in zip(eps, outs, trunc, strict=True):
+        return outs, trunc
+
+    def advance(lane: _Lane) -> None:
+        """Generate the lane's next actions, top it up with new pairs and send one request."""
+        eps = list(lane.eps.values())
+        outs, trunc = generate(eps) if eps else ([], [])
+        lane.outs = {ep.key: (o, t) for ep, o, t in zip(eps, outs, trunc, strict=True)}
+        lane.joining = {}
+        while pending and len(lane.eps) + len(lane.joining) < lane.size:
+            ep = pending.pop()
+            lane.joining[ep.key] = ep
+            live[ep.key] = ep
+        if lane.outs or lane.joining:
+            lane.ticket = pool.submit(acts=[(k, o) for k, (o, _) in lane.outs.items()],
+                                      resets=[(ep.key, ep.task) for ep in lane.joining.values()],
+                                      releases=lane_release.pop(id(lane), []),
+                                      max_steps=cfg.max_steps or None)
+        else:
+            lane.ticket = None
+            if lane_release.get(id(lane)):
+                pool.release(lane_release.pop(id(lane)))
+
+    def settle(lane: _Lane, results: dict) -> None:
+        """Record the answers of the lane's request: new episodes start, stepped ones advance or end."""
+        for ep in lane.joining.values():
             r = results.get(ep.key)
             if r is None or isinstance(r, Failure):
+                finish(ep, getattr(r, "error", None) or "reset failed")
+                continue
+            ep.instruction = r.instruction
+            ep.observations = [r.observation]
+            ep.max_steps = cfg.max_steps if cfg.max_steps > 0 else int(r.max_steps or 0)
+            lane.eps[ep.key] = ep
+        for key, (out, tr_flag) in lane.outs.items():
+            ep = lane.eps[key]
+            r = results.get(key)
+            if r is None or isinstance(r, Failure):
+                lane.eps.pop(key)
                 finish(ep, getattr(r, "error", None) or "no result from the environment worker")
                 continue
             step = len(ep.actions)
             done = bool(r.done)
             reward = float(r.reward)
-            hit_limit = ep.max_steps > 0 and step + 1 >= ep.max_steps and not done
-            if hit_limit:  # our own (smaller) step limit: end like the env's limit does
+            if ep.max_steps > 0 and step + 1 >= ep.max_steps and not done:
+                # our own (smaller) step limit: end like the env's limit does, free the slot next request
                 done = True
                 reward = float((r.info or {}).get("score", 0.0))
-                release.append(ep.key)
+                lane_release.setdefault(id(lane), []).append(key)
             ep.rows.append(_row(ep, cfg, source, step, observation=ep.observations[-1], action=out,
                                 command=r.command, next_observation=r.observation, reward_env=reward,
                                 done=done, truncated=tr_flag, error=None))
@@ -352,12 +382,34 @@ def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature,
             st.steps += 1
             st.truncated_steps += int(tr_flag)
             if done:
+                lane.eps.pop(key)
                 finish(ep, None)
-        if release:
-            pool.release(release)
-        st.wall_s = time.perf_counter() - t_start
-        if on_progress:
-            on_progress(st)
+        lane.outs, lane.joining = {}, {}
+
+    busy0 = (pool.stats.get("busy_reset_s", 0.0), pool.stats.get("busy_step_s", 0.0))
+    lane_release: dict[int, list] = {}
+    for lane in lanes:  # first requests: every lane's resets are in flight together
+        advance(lane)
+    if on_progress:
+        on_progress(st)
+    while any(lane.ticket is not None for lane in lanes):
+        for lane in lanes:
+            if lane.ticket is None:
+                continue
+            t0 = time.perf_counter()
+            results = pool.wait(lane.ticket)
+            st.env_s += time.perf_counter() - t0  # time the policy waited for the environments
+            settle(lane, results)
+            advance(lane)
+            st.rounds += 1
+            st.wall_s = time.perf_counter() - t_start
+            if on_progress:
+                on_progress(st)
+    leftover = [k for ks in lane_release.values() for k in ks]
+    if leftover:
+        pool.release(leftover)
+    st.reset_s += pool.stats.get("busy_reset_s", 0.0) - busy0[0]
+    st.step_s += pool.stats.get("busy_step_s", 0.0) - busy0[1]
 
 
 def _episode_reward(rows: Sequence[dict[str, Any]]) -> float:

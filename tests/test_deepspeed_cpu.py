@@ -1,0 +1,229 @@
+"""DeepSpeed ZeRO-2/3 for real, on CPU: two ranks launched with torchrun (DeepSpeed's CPU accelerator,
+gloo communication), compared with the plain single-process run of the same configuration.
+
+What must hold (fp32, same data order, same effective batch): the ranks' share of every optimiser
+step is weighted so that the averaged gradient is the step's exact weighted mean, hence the
+trained weights and the logged loss curve equal the single-process ones up to float rounding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ROOT, qevolve_env, run_qevolve
+from tests.test_critic import labelled
+from tests.test_policy import make_table
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (`make setup` installs the dev extra)")
+
+ZERO2 = ROOT / "configs" / "deepspeed" / "zero2.json"
+ZERO3 = ROOT / "configs" / "deepspeed" / "zero3.json"
+
+
+def ds_env() -> dict[str, str]:
+    env = qevolve_env()
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # ninja for DeepSpeed's JIT ops
+    return env
+
+
+def torchrun(*args, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node N -m qevolve_cli ARGS`` (the launch line a GPU user runs too)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "qevolve_cli", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ds_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shm_comm_op():
+    """Build DeepSpeed's CPU shared-memory all-reduce op once (JIT, cached in ~/.cache/torch_extensions)
+    so that the two ranks of the first test do not both wait for the compiler inside their timeouts."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("DeepSpeed's CPU accelerator JIT-compiles a C++ op: no C++ compiler found")
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    proc = subprocess.run([sys.executable, "-c", code], env=ds_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"building DeepSpeed's CPU comm op failed:\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def policy_table(tmp_path_factory):
+    p = tmp_path_factory.mktemp("ds_pol") / "hybrid.parquet"
+    make_table(p, n_traj=8, steps=2)
+    return p
+
+
+def curve(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+# bc on the 4 expert trajectories, 1 per micro-batch, 2 micro-batches per optimiser step: each rank
+# takes one micro-batch of every step (the single process accumulates both)
+BC = ["--set", "micro_batch_size=1", "--set", "grad_accum_steps=2", "--set", "warmup_ratio=0", "--lr", "2e-3",
+      "--epochs", "2", "--seed", "0"]
+
+
+@pytest.mark.timeout(420)
+def test_policy_bc_zero2_and_zero3_equal_the_single_process_run(policy_table, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from qevolve_cli.policy.trainer import load_causal_lm
+
+    run_qevolve("policy", "--objective", "bc", "--data", policy_table, "--model", tiny_model_dir,
+                "--out", tmp_path / "plain", "--full", *BC, "--json", "--quiet", check=True)
+    init = load_file(str(tiny_model_dir / "model.safetensors"))
+    plain = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    for name, cfg in (("zero2", ZERO2), ("zero3", ZERO3)):
+        out = tmp_path / name
+        proc = torchrun("policy", "--objective", "bc", "--data", policy_table, "--model", tiny_model_dir,
+                        "--out", out, "--full", *BC, "--set", f"deepspeed={cfg}", "--json", "--quiet")
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        assert len(lines) == 1, f"{name}: only rank 0 prints its summary, got {proc.stdout!r}"
+        summary = json.loads(lines[0])
+        assert summary["nll_after"] < summary["nll_before"] - 0.1
+        trained = load_file(str(out / "model.safetensors"))
+        assert max_diff(trained, {k: init[k] for k in trained}) > 1e-3  # it trained
+        # same weights as one process (measured: 6e-8 for ZeRO-2, 2.4e-6 for ZeRO-3)
+        assert max_diff(trained, plain) < 2e-5, name
+        c, p = curve(out), curve(tmp_path / "plain")
+        assert [r["step"] for r in c] == [r["step"] for r in p] and len(c) == 4
+        assert np.allclose([r["loss"] for r in c], [r["loss"] for r in p], rtol=0, atol=1e-5)
+        assert [r["tokens"] for r in c] == [r["tokens"] for r in p]  # the whole step, summed over ranks
+        assert c[-1]["loss"] < c[0]["loss"]
+        assert not (tmp_path / f".{name}.work").exists()
+        # the saved directory loads back with the repo's loader and generates finite logits
+        m = load_causal_lm(out)
+        with torch.no_grad():
+            assert torch.isfinite(m(torch.tensor([[5, 6, 7]])).logits).all()
+
+
+@pytest.mark.timeout(300)
+def test_policy_bppo_lora_zero3_refreshes_pi_old_and_equals_single_process(policy_table, tiny_model_dir, tmp_path):
+    """BPPO with a LoRA adapter under ZeRO-3: pi_ref / pi_old log-probs come from the full initial model
+    (before DeepSpeed partitions it), pi_old is refreshed through the partitioned engine every step on
+    all ranks, and the adapter is gathered on rank 0 to be saved."""
+    from safetensors.torch import load_file
+
+    from qevolve_cli.policy.trainer import load_causal_lm
+
+    args = ["--objective", "bppo", "--data", policy_table, "--model", tiny_model_dir, "--lora", "--set",
+            "micro_batch_size=2", "--set", "grad_accum_steps=2", "--set", "warmup_ratio=0", "--set",
+            "old_refresh_steps=1", "--lr", "2e-3", "--epochs", "2", "--json", "--quiet"]
+    run_qevolve("policy", *args, "--out", tmp_path / "plain", check=True)
+    torchrun("policy", *args, "--out", tmp_path / "z3", "--set", f"deepspeed={ZERO3}")
+    a = load_file(str(tmp_path / "plain" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "z3" / "adapter_model.safetensors"))
+    assert len(b) > 0 and max_diff(a, b) < 2e-5  # measured 2e-6
+    assert max(float(t.abs().max()) for k, t in b.items() if "lora_B" in k) > 1e-4  # lora_B starts at 0
+    c, p = curve(tmp_path / "z3"), curve(tmp_path / "plain")
+    assert np.allclose([r["loss"] for r in c], [r["loss"] for r in p], rtol=0, atol=1e-5)
+    assert np.allclose([r["kl"] for r in c], [r["kl"] for r in p], rtol=0, atol=1e-6)
+    assert load_causal_lm(tmp_path / "z3") is not None
+
+
+@pytest.mark.timeout(300)
+def test_critic_zero2_two_ranks_equals_single_process_and_scores(tiny_model_dir, tmp_path):
+    """Two DeepSpeed engines (Q branch, V branch) over one critic: alternating updates, per-branch
+    clipping and LR schedules, EMA of q_target; a batch of 3 trajectories is split 2 / 1 over the ranks."""
+    from safetensors.torch import load_file
+
+    from qevolve_cli import schema
+    from qevolve_cli.critic.score import score_table
+
+    df = labelled(n_traj=5, mean_steps=3, seed=1)
+    schema.write_table(df, tmp_path / "lab.parquet")
+    args = ["--data", tmp_path / "lab.parquet", "--model", tiny_model_dir, "--epochs", "2", "--batch-size", "3",
+            "--lr", "1e-3", "--set", "lora_rank=4", "--set", "head_hidden=16", "--set", "device=cpu",
+            "--set", "warmup_ratio=0", "--set", "ema_every=1", "--set", "ema_lambda=0.5", "--json", "--quiet"]
+    run_qevolve("critic", *args, "--out", tmp_path / "plain", check=True)
+    proc = torchrun("critic", *args, "--out", tmp_path / "z2", "--set", f"deepspeed={ZERO2}")
+    summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert summary["deepspeed"] == {"config": str(ZERO2), "stage": 2, "world_size": 2}
+    for f in ("heads.safetensors", "adapters/value/adapter_model.safetensors", "adapters/q/adapter_model.safetensors",
+              "adapters/q_target/adapter_model.safetensors"):
+        a, b = load_file(str(tmp_path / "plain" / f)), load_file(str(tmp_path / "z2" / f))
+        assert max_diff(a, b) < 1e-5, f  # measured < 1e-6
+    m_plain = [json.loads(x) for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    m_ds = [json.loads(x) for x in (tmp_path / "z2" / "metrics.jsonl").read_text().splitlines()]
+    for k in ("loss_q", "loss_v", "mean_q", "mean_v", "td_error", "transitions"):
+        assert np.allclose([m[k] for m in m_ds], [m[k] for m in m_plain], rtol=1e-5, atol=1e-6), k
+    sc = score_table(df, tmp_path / "z2", device="cpu")
+    assert np.isfinite(sc["value"].to_numpy()).all() and np.isfinite(sc["q_value"].to_numpy()).all()
+
+
+def test_deepspeed_configs_resolve_every_auto():
+    from qevolve_cli.training import _flatten, load_deepspeed_config, resolve_deepspeed_config
+
+    for path, stage in ((ZERO2, 2), (ZERO3, 3)):
+        raw = load_deepspeed_config(path)
+        kw = dict(precision="fp32", world_size=2, grad_accum=3, max_grad_norm=0.5, hidden_size=64,
+                  managed_accumulation=False)
+        cpu = resolve_deepspeed_config(raw, device="cpu", **kw)
+        assert "auto" not in _flatten(cpu).values()
+        assert cpu["zero_optimization"]["stage"] == stage and cpu["bf16"]["enabled"] is False
+        assert cpu["zero_optimization"]["overlap_comm"] is False  # CPU accelerator: no side streams
+        assert cpu["train_batch_size"] == 6 and cpu["gradient_clipping"] == 0.5
+        assert cpu["managed_gradient_accumulation"] is False
+        gpu = resolve_deepspeed_config(raw, device="cuda", **{**kw, "precision": "bf16"})
+        assert gpu["bf16"]["enabled"] is True and gpu["zero_optimization"]["overlap_comm"] is True
+        assert gpu["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+
+
+def test_bad_deepspeed_configs_fail_with_one_line(tmp_path, tiny_model_dir):
+    from qevolve_cli.critic.config import CriticConfig
+    from qevolve_cli.critic.trainer import train_critic
+    from qevolve_cli.errors import QevolveError
+    from qevolve_cli.training import load_deepspeed_config
+
+    with pytest.raises(QevolveError, match="no such DeepSpeed config"):
+        load_deepspeed_config(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(QevolveError, match="not a JSON DeepSpeed config"):
+        load_deepspeed_config(tmp_path / "bad.json")
+    (tmp_path / "s4.json").write_text(json.dumps({"zero_optimization": {"stage": 4}}))
+    with pytest.raises(QevolveError, match=r"zero_optimization\.stage"):
+        load_deepspeed_config(tmp_path / "s4.json")
+    (tmp_path / "opt.json").write_text(json.dumps({"optimizer": {"type": "Adam"}}))
+    with pytest.raises(QevolveError, match="field optimizer"):
+        load_deepspeed_config(tmp_path / "opt.json")
+    # the critic refuses ZeRO-3 and 16-bit engines before anything is launched
+    df = labelled(n_traj=2, mean_steps=2)
+    with pytest.raises(QevolveError, match="ZeRO stages 0-2"):
+        train_critic(CriticConfig(device="cpu", deepspeed=str(ZERO3)), df, tiny_model_dir, tmp_path / "c")
+    (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(QevolveError, match="bf16.enabled"):
+        train_critic(CriticConfig(device="cpu", deepspeed=str(tmp_path / "bf16.json")), df, tiny_model_dir,
+                     tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.timeout(120)
+def test_policy_resume_under_deepspeed_is_refused_with_one_line(policy_table, tiny_model_dir, tmp_path):
+    """An epoch checkpoint of an interrupted plain run is not resumed under DeepSpeed (one process,
+    no launcher: qevolve creates a one-rank process group itself)."""
+    ck = tmp_path / ".out.work" / "ckpt"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text('{"epoch": 1, "step": 2}\n')
+    proc = subprocess.run([sys.executable, "-m", "qevolve_cli", "policy", "--objective", "bc", "--data",
+                           str(policy_table), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+                           "--set", f"deepspeed={ZERO2}", "--quiet"],
+                          cwd=ROOT, env=ds_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "resuming under DeepSpeed is not supported" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -66,9 +66,25 @@ class Backend:
     max_context: int = 4096
     max_new_tokens: int = 256
 
+    _IDS_CACHE_SIZE = 1024
+
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of the rendered prompt (with the generation prompt).
+
+        The rollout loop asks twice per turn (``fits`` while truncating, then ``generate``); the
+        ids of the last prompts are kept, keyed by the (role, content) pairs, so each transcript
+        is rendered and tokenised once.
+        """
+        key = tuple((m["role"], m["content"]) for m in messages)
+        cache = self.__dict__.setdefault("_ids_cache", {})
+        ids = cache.get(key)
+        if ids is None:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if len(cache) >= self._IDS_CACHE_SIZE:
+                cache.pop(next(iter(cache)))  # oldest first (dicts keep insertion order)
+            cache[key] = ids
+        return list(ids)
 
     def prompt_len(self, messages: Sequence[Message]) -> int:
         if self.tokenizer is None:  # no local tokenizer: ~4 characters per token

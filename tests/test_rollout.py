@@ -355,3 +355,39 @@ def test_lane_sizes_split_capacity_evenly() -> None:
         for n in range(1, 6):
             sizes = lane_sizes(cap, n)
             assert sum(sizes) == cap and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_cpu_cached_decode_equals_padded_generate(react_model_dir: Path) -> None:
+    """Per-sequence prefill + batched decode over padded KV caches gives exactly the tokens of
+    transformers' generate on the left-padded batch, and of one-at-a-time generation."""
+    from qevolve_cli.envs import list_tasks, make_env
+    from qevolve_cli.envs.prompts import instruction_prompt
+    from qevolve_cli.rollout.backends import HFBackend, Request
+    from qevolve_cli.transcript import build_messages
+
+    b = HFBackend(react_model_dir, max_new_tokens=24)
+    assert b.per_sequence_prefill  # CPU default
+    env = make_env("textcraft")
+    reqs = []
+    for i, t in enumerate(list_tasks("textcraft", "train", limit=5)):
+        obs = [env.reset(t)]
+        acts = []
+        for _ in range(i):  # prompts of different lengths -> real padding in the batch
+            acts.append("Thought: check.\nAction: inventory")
+            obs.append(env.step("inventory")[0])
+        reqs.append(Request(build_messages(instruction_prompt("textcraft"), env.instruction, obs, acts, False),
+                            seed=11 * i + 1))
+    env.close()
+    assert len({len(b.prompt_ids(r.messages)) for r in reqs}) == len(reqs)
+    for temp in (0.0, 1.0):
+        outs = {}
+        for mode in (True, False):
+            b.per_sequence_prefill = mode
+            outs[(mode, "batch")] = b.generate(reqs, temperature=temp)
+            outs[(mode, "single")] = [b.generate([r], temperature=temp)[0] for r in reqs]
+        first = outs[(False, "single")]
+        assert all(o == first for o in outs.values()), temp
+        assert any(o[0] for o in first)  # something was generated
+    b.per_sequence_prefill = True
+    # greedy decoding stops at the end-of-turn token: no output contains the stop text
+    assert all("<|im_end|>" not in o[0] for o in b.generate(reqs, temperature=0.0))

@@ -14,8 +14,8 @@ Prints ONE JSON object on stdout (progress on stderr): the settings, the BC metr
 per split, success rate / average reward / mean steps of the untrained and the BC model,
 plus the share of format-error turns (no parsable ``Action:``).
 
-    python benchmarks/bench_bc_textcraft.py                    # the documented run (docs/policy.md)
-    python benchmarks/bench_bc_textcraft.py --quick            # a few minutes: 40 experts, 1 epoch, 6 tasks
+    python benchmarks/bench_bc_textcraft.py                    # the documented run (docs/policy.md), 5-20 min (load)
+    python benchmarks/bench_bc_textcraft.py --quick            # ~4 min: 40 experts, 1 epoch, 6 tasks, 10 steps
     python benchmarks/bench_bc_textcraft.py --work /tmp/bc_tc --keep --splits test_seen test_unseen
 
 A ``--work`` directory is reused: finished stages (model, experts, BC model, eval tables)
@@ -71,13 +71,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="40 experts, 1 epoch, 6 tasks per split, 10 steps")
     ap.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary working directory")
-    ap.add_argument("--size", default="tiny", help="init-model --size")
+    ap.add_argument("--size", default="tiny-tc", help="init-model --size (tiny-tc: tiny + TextCraft vocabulary)")
     ap.add_argument("--arch", default="llama", help="init-model --arch")
     ap.add_argument("--seed", type=int, default=0, help="init-model and policy seed")
     ap.add_argument("--expert-limit", type=int, default=0, help="only the first N train goals (0 = all 324)")
-    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--max-length", type=int, default=1536, help="policy max_length (tokens per trajectory)")
+    ap.add_argument("--micro-batch-size", type=int, default=1,
+                    help="policy micro_batch_size: trajectories per optimiser step (1: 8x the updates of 8)")
     ap.add_argument("--splits", nargs="+", default=["test_seen", "test_unseen"])
     ap.add_argument("--max-tasks", type=int, default=0, help="eval --max-tasks (0 = the whole split)")
     ap.add_argument("--max-steps", type=int, default=20, help="eval --max-steps (the env's limit is 40)")
@@ -117,6 +119,7 @@ def main() -> None:
                 "policy", "--objective", "bc", "--data", experts, "--model", model, "--out", bc,
                 "--epochs", a.epochs, "--lr", a.lr, "--seed", a.seed, "-q",
                 "--set", "device=cpu", "--set", f"max_length={a.max_length}", "--set", "micro_batch_tokens=8192",
+                "--set", f"micro_batch_size={a.micro_batch_size}",
             ], a.threads)
         else:
             pol = json.loads((bc / "train_summary.json").read_text())
@@ -125,6 +128,7 @@ def main() -> None:
                                              "truncated_trajectories")}
         out["bc"]["lr"] = a.lr
         out["bc"]["max_length"] = a.max_length
+        out["bc"]["micro_batch_size"] = a.micro_batch_size
         out["eval_settings"] = {"greedy": True, "max_tasks": a.max_tasks or "all", "max_steps": a.max_steps,
                                 "max_new_tokens": a.max_new_tokens}
         out["eval"] = {}

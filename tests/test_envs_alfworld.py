@@ -63,3 +63,56 @@ def test_observation_layout_and_invalid_pattern(alf):
     assert not any(is_invalid("alfworld", o) for o in good), good
     assert is_invalid("alfworld", react.FORMAT_ERROR_OBSERVATION)
     assert alf.max_steps == 30
+
+
+def _downward_copies() -> int:
+    """Copies of fast-downward's shared library mapped into this process (one per PddlEnv built)."""
+    with open("/proc/self/maps") as f:
+        return len({tuple(line.split()[3:5]) for line in f if "libdownward" in line})
+
+
+def _trace(env, task, with_expert=True):
+    obs = [env.reset(task, with_expert=with_expert, max_steps=200), env.instruction]
+    for cmd in env.expert_plan():
+        res = act(env, expert_output(cmd))
+        obs.append((res.observation, res.reward, res.done))
+        if res.done:
+            break
+    return obs
+
+
+def test_games_reuse_one_textworld_env_and_memory_stays_flat():
+    """Regression: a fresh TextWorld env per game loaded a new copy of fast-downward's library
+    each time and TextWorld's Proposition memo kept every game's facts (~4 MB per game)."""
+    import mementos.core
+
+    from qevolve_cli.envs.alfworld import ensure_alfworld_data
+
+    try:
+        ensure_alfworld_data()
+    except QevolveError as e:
+        pytest.skip(f"ALFWorld data unavailable: {e}")
+    train = list_tasks("alfworld", "train")
+    first, others = train[40], [train[i] for i in (900, 1700, 2600, 3300)]
+    planner_game = list_tasks("alfworld", "test_unseen")[3]
+    before = _downward_copies()
+    env = make_env("alfworld")
+    try:
+        ref = _trace(env, first)
+        memo_one_game = len(mementos.core._memento_cache)
+        played = [_trace(env, t) for t in others] + [_trace(env, planner_game)]
+        again = _trace(env, first)
+        memo_again = len(mementos.core._memento_cache)
+        # the memo holds one game's objects, not the sum of all games played
+        assert memo_again == memo_one_game
+        # one library copy per request-info set (gt_traj games / planner games), not one per game
+        assert _downward_copies() - before <= 2
+    finally:
+        env.close()
+    assert again == ref  # a reused env plays a game exactly as the first time
+    assert all(p[-1][1] == 1.0 and p[-1][2] for p in played + [ref])
+    fresh = make_env("alfworld")  # and exactly as a brand-new env does
+    try:
+        assert _trace(fresh, others[2]) == played[2]
+    finally:
+        fresh.close()

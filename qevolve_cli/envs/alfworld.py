@@ -4,9 +4,18 @@
   (the layout ``alfworld-download`` produces). :func:`ensure_alfworld_data` finds it, or
   unpacks the packed copy (``alfworld-json_2.1.1.tar.xz`` from ``$QEVOLVE_SHARED_DATA`` or
   ``../shared/data``) once into ``~/.cache/qevolve/alfworld`` and points ``ALFWORLD_DATA`` there.
-* Each reset loads the game with ``textworld.start`` and the ``alfworld`` wrappers
+* Each reset loads the game into a TextWorld PDDL environment with the ``alfworld`` wrappers
   (``AlfredDemangler``, ``AlfredInfos``) — ``AlfredTWEnv.collect_game_files`` is not used
   (it needs ``traj_data.json``, which this data omits).
+* Memory: every ``PddlEnv`` loads its own copy of fast-downward's shared library and never
+  unloads it, and TextWorld memoises every ``Proposition`` / ``Signature`` it ever built in
+  one process-wide dict (``mementos``). Starting a fresh environment per game therefore grew a
+  worker by ~4 MB per game (1.3 GB after ~150 games). The adapter keeps one TextWorld
+  environment per request-info set and ``load``s each new game into it (the way
+  ``textworld.gym`` does), so a worker holds at most two library copies per env slot
+  (unloading them with ``fast_downward.close_lib`` crashed the interpreter at exit), and empties
+  the memo dict at every reset (the memoised classes compare and hash by value, nothing relies on identity:
+  the memo only saves time, and other games' objects stay valid).
 * Instruction: the ``Your task is to: ...`` sentence; first observation: the room
   description (the TextWorld banner removed).
 * Task type: the first part of the game folder name (``pick_heat_then_place_in_recep``).
@@ -105,6 +114,7 @@ class AlfWorldEnv(Env):
         super().__init__(max_steps)
         self.data_dir = Path(data_dir) if data_dir else ensure_alfworld_data()
         self._tw = None
+        self._tw_by_infos: dict[bool, Any] = {}  # policy_commands -> reusable wrapped TextWorld env
         self._plan: list[str] = []
 
     def game_path(self, task: Task) -> Path:
@@ -120,10 +130,18 @@ class AlfWorldEnv(Env):
             raise QevolveError(f"{path}: ALFWorld game file not found (task {task.task_id})")
         gt = path.parent / "gt_traj.json"
         use_gt = with_expert and gt.is_file()
-        infos = textworld.EnvInfos(won=True, policy_commands=with_expert and not use_gt, extras=["gamefile"])
-        self._close_game()
-        self._tw = textworld.start(str(path), infos, wrappers=[AlfredDemangler(), AlfredInfos])
-        state = self._tw.reset()
+        want_plan = with_expert and not use_gt
+        self._tw = None
+        _drop_textworld_memo()
+        tw = self._tw_by_infos.get(want_plan)
+        if tw is None:
+            infos = textworld.EnvInfos(won=True, policy_commands=want_plan, extras=["gamefile"])
+            tw = textworld.start(str(path), infos, wrappers=[AlfredDemangler(), AlfredInfos])
+            self._tw_by_infos[want_plan] = tw
+        else:
+            tw.load(str(path))
+        self._tw = tw
+        state = tw.reset()
         if with_expert:
             if use_gt:
                 conv = json.loads(gt.read_text())
@@ -142,13 +160,21 @@ class AlfWorldEnv(Env):
     def _expert_plan(self) -> list[str]:
         return list(self._plan)
 
-    def _close_game(self) -> None:
-        if self._tw is not None:
+    def close(self) -> None:
+        self._tw = None
+        envs, self._tw_by_infos = list(self._tw_by_infos.values()), {}
+        for tw in envs:
             try:
-                self._tw.close()
+                tw.close()
             except Exception:
                 pass
-            self._tw = None
 
-    def close(self) -> None:
-        self._close_game()
+
+def _drop_textworld_memo() -> None:
+    """Empty TextWorld's process-wide ``Proposition`` / ``Signature`` memo (it only grows)."""
+    try:
+        import mementos.core
+
+        mementos.core._memento_cache.clear()
+    except (ImportError, AttributeError):
+        pass

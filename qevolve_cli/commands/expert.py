@@ -86,8 +86,10 @@ def register(app: typer.Typer) -> None:
                                     timeout_s=timeout_s, stats=stats,
                                     on_progress=lambda d, n, s: prog.update(bar, completed=d, info=f"ok {s}/{d}"))
             if df.height == 0:
+                first = next(iter(stats["error_reasons"].items()), None)
+                why = f"; first error, {first[0]}: {first[1]}" if first else ""
                 raise QevolveError(f"{env}/{split}: no successful expert trajectory "
-                                   f"({stats['failed']} failed, {stats['errors']} errors)")
+                                   f"({stats['failed']} failed, {stats['errors']} errors{why})")
             write_table(df, out, producer="qevolve expert")
             summary = {"env": env, "split": split, "shard": shard, "out": str(out), "tasks": stats["tasks"],
                        "succeeded": stats["succeeded"], "failed": stats["failed"], "errors": stats["errors"],

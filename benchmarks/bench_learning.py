@@ -1,182 +1,264 @@
-"""Learning check (issue 8): does one Q-Evolve iteration raise held-out success over BC?
+"""Learning check: Q-Evolve vs BC and RFT (filtered self-imitation, no critic), two iterations, several seeds.
 
-For each seed, runs the whole loop (``qevolve evolve --env lamps --preset cpu --iters 1``,
-through the library: :func:`qevolve_cli.evolve.config.resolve` +
-:func:`qevolve_cli.evolve.loop.run_evolve`) into its own run directory, then reports:
+For each environment and seed, through the library (the same functions as the sub-commands):
 
-* held-out success rate and average reward of BC (iteration 0) and iteration 1 per split
-  and seed, and their means over seeds;
-* what the critic learned, read back from ``iter_1/advantages.parquet``: mean advantage
-  of expert vs self steps, the share of positive advantages on the steps of successful vs
-  failed self trajectories, V(s_0) of successful vs failed self trajectories, and the
-  advantage of invalid / repeat / format steps vs the others;
-* BPPO statistics from ``iter_1/policy/metrics.jsonl`` (clip fraction, ratio, KL);
-* wall-clock time of every stage (from the run manifest) and in total.
+* shared by every arm: the tiny base model, the expert data, BC, the BC evaluation, the
+  iteration-1 rollout of the BC policy, its labels and the iteration-1 critic;
+* arms, each continued from the same BC policy with the same rollout seeds:
+  - ``bc``       the BC policy itself (iteration 0);
+  - ``rft``      BC continued on expert + the successful self trajectories collected so far (no
+                 critic; the filtered self-imitation baseline), same lr/epochs as the BPPO stage;
+  - ``qe_gae``   Q-Evolve, process reward GAE over r_env (the paper);
+  - ``qe_gae_aux`` Q-Evolve, GAE over r_env + r_aux (the paper's ablation row);
+* iteration 2: every arm rolls out its own iteration-1 policy (same seed), the Q-Evolve arms
+  train a new critic on expert + that rollout, then BPPO / RFT again;
+* greedy evaluation of every policy on held-out ``test_seen`` and ``test_unseen`` (the first
+  ``eval_max_tasks`` tasks of each, as the preset says; the same tasks for every arm).
 
-Prints ONE JSON object on stdout (progress goes to stderr).
+Prints ONE JSON object: per seed and arm the held-out success per split and iteration, the
+critic diagnostics of every critic (held-out slice of the training buffer), stage times; then
+mean and standard error over seeds per arm, split and iteration. Nothing is tuned on the
+held-out splits: the presets were chosen on the critic's held-out slice of training rollouts.
 
-    python benchmarks/bench_learning.py                       # seeds 0 1 2, runs in a temp dir
-    python benchmarks/bench_learning.py --seeds 0 --runs runs/learning --keep
-    python benchmarks/bench_learning.py --env lamps --preset cpu --iters 1
+    python benchmarks/bench_learning.py --env lamps --seeds 0 1 2 --runs runs/learning
+    python benchmarks/bench_learning.py --env textcraft --seeds 0 1 2 --runs runs/learning
+    python benchmarks/bench_learning.py --env lamps --seeds 0 --iters 1 --arms bc qe_gae
 
-Reusing ``--runs DIR`` resumes finished runs (a finished run is a no-op), so the table can
-be re-read without re-training.
+``--runs DIR`` keeps every stage's output; running again skips finished stages (resume).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return float(statistics.fmean(xs)) if xs else None
+ARMS = ("bc", "rft", "qe_gae", "qe_gae_aux")
 
 
-def _eval_scores(run: Path, k: int, split: str) -> dict:
-    import polars as pl
-
-    df = pl.read_parquet(run / f"iter_{k}" / f"eval_{split}.parquet")
-    per = df.group_by("traj_id").agg(pl.col("reward_env").sum().alias("r"), pl.len().alias("steps"))
-    return {"success": float((per["r"] >= 1.0).mean()), "avg_reward": float(per["r"].mean()),
-            "tasks": per.height, "mean_steps": float(per["steps"].mean())}
+def log(msg: str) -> None:
+    print(f"[bench_learning] {msg}", file=sys.stderr, flush=True)
 
 
-def _critic_stats(run: Path) -> dict:
-    import polars as pl
-
-    df = pl.read_parquet(run / "iter_1" / "advantages.parquet")
-    out: dict = {}
-    by_src = df.group_by("source").agg(pl.col("advantage").mean()).to_dicts()
-    out["mean_adv"] = {d["source"]: float(d["advantage"]) for d in by_src}
-    self_ = df.filter(pl.col("source") == "self")
-    for name, flag in (("success", True), ("failed", False)):
-        s = self_.filter(pl.col("success") == flag)
-        out[f"self_{name}_steps"] = s.height
-        out[f"self_{name}_pos_adv_share"] = float((s["advantage"] > 0).mean()) if s.height else None
-        out[f"self_{name}_mean_adv"] = float(s["advantage"].mean()) if s.height else None
-        s0 = s.filter(pl.col("step") == 0)
-        out[f"self_{name}_V0"] = float(s0["value"].mean()) if s0.height else None
-    ex0 = df.filter((pl.col("source") == "expert") & (pl.col("step") == 0))
-    out["expert_V0"] = float(ex0["value"].mean()) if ex0.height else None
-    kinds = df.group_by("aux_kind").agg(pl.col("advantage").mean(), pl.len()).to_dicts()
-    out["adv_by_aux_kind"] = {d["aux_kind"]: {"mean_adv": float(d["advantage"]), "steps": d["len"]} for d in kinds}
-    trajs = self_.group_by("traj_id").agg(pl.col("success").first())
-    out["self_trajectories"] = trajs.height
-    out["self_train_success"] = float(trajs["success"].mean()) if trajs.height else None
-    return out
-
-
-def _policy_stats(run: Path) -> dict:
-    path = run / "iter_1" / "policy" / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    out: dict = {"optimizer_steps": len(rows)}
-    for key in ("clip_frac", "ratio_mean", "kl", "pg_loss", "loss"):
-        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-        if vals:
-            out[f"{key}_mean"] = float(statistics.fmean(vals))
-            out[f"{key}_last"] = float(vals[-1])
-    return out
-
-
-def _timings(run: Path) -> dict:
-    m = json.loads((run / "manifest.json").read_text())
-    stages = m.get("stages", m)
-    out = {}
-    for name, st in stages.items():
-        if isinstance(st, dict):
-            t = st.get("seconds", st.get("duration_s", st.get("elapsed_s")))
-            if t is None and isinstance(st.get("timings"), dict):
-                t = st["timings"].get("seconds", st["timings"].get("total_s"))
-            if isinstance(t, (int, float)):
-                out[name] = round(float(t), 2)
-    return out
-
-
-def run_seed(env: str, preset: str, iters: int, seed: int, run: Path, quiet: bool) -> dict:
-    from qevolve_cli.evolve.config import resolve
-    from qevolve_cli.evolve.loop import run_evolve
-
-    cfg = resolve(env, preset, overrides={"iters": iters, "seed": seed})
+def stage(path: Path, fn, times: dict, name: str):
+    """Run ``fn`` unless ``path`` exists (files are written atomically by the library)."""
+    if path.exists():
+        return
     t0 = time.perf_counter()
-    run_evolve(cfg, run, resume=(run / "config.yaml").exists(), quiet=quiet,
-               echo=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)))
-    wall = time.perf_counter() - t0
-    res: dict = {"seed": seed, "run_dir": str(run), "wall_s": round(wall, 1), "scores": {}}
-    for split in cfg.eval_splits:
-        res["scores"][split] = {f"iter_{k}": _eval_scores(run, k, split) for k in range(0, iters + 1)}
-    if iters >= 1:
-        res["critic"] = _critic_stats(run)
-        res["bppo"] = _policy_stats(run)
-    res["stage_seconds"] = _timings(run)
+    fn()
+    times[name] = round(time.perf_counter() - t0, 1)
+
+
+def eval_scores(table: Path) -> dict:
+    import polars as pl
+
+    df = pl.read_parquet(table)
+    per = df.group_by("traj_id").agg(pl.col("reward_env").sum().alias("r"), pl.len().alias("steps"))
+    return {"success": float((per["r"] > 0).mean()), "avg_reward": float(per["r"].mean()), "tasks": per.height}
+
+
+def rollout_success(table: Path) -> float:
+    import polars as pl
+
+    per = pl.read_parquet(table).group_by("traj_id").agg(pl.col("reward_env").sum())
+    return float((per["reward_env"] > 0).mean())
+
+
+def critic_summary(critic_dir: Path) -> dict:
+    s = json.loads((critic_dir / "summary.json").read_text())
+    d = s.get("diagnostics", {})
+    keep = ("on", "trajectories", "bellman_q", "td_v", "ev_return", "auc_v", "auc_v0", "v_std",
+            "failed_self_pos_adv", "success_self_pos_adv", "problems")
+    return {"epochs_run": s.get("epochs_run"), "early_stopped_at": s.get("early_stopped_at"),
+            "restored_epoch": s.get("restored_epoch"), "seconds": s.get("seconds"),
+            **{k: d.get(k) for k in keep}}
+
+
+def advantage_summary(table: Path) -> dict:
+    """On the whole labelled buffer: share of failed self steps with A > 0, mean A of invalid/format steps."""
+    import polars as pl
+
+    df = pl.read_parquet(table, columns=["source", "success", "aux_kind", "advantage"])
+    f = df.filter((pl.col("source") == "self") & ~pl.col("success"))
+    s = df.filter((pl.col("source") == "self") & pl.col("success"))
+    bad = df.filter(pl.col("aux_kind").is_in(["invalid", "format", "repeat"]))
+    return {"failed_self_pos_adv": float((f["advantage"] > 0).mean()) if f.height else None,
+            "success_self_pos_adv": float((s["advantage"] > 0).mean()) if s.height else None,
+            "penalised_steps_mean_adv": float(bad["advantage"].mean()) if bad.height else None}
+
+
+def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run: Path) -> dict:
+    import polars as pl
+
+    from qevolve_cli import schema
+    from qevolve_cli.critic.trainer import train_critic
+    from qevolve_cli.envs.expert import collect_expert
+    from qevolve_cli.evolve.config import resolve
+    from qevolve_cli.labeling import label_tables
+    from qevolve_cli.models.tiny import create_tiny_model
+    from qevolve_cli.policy.trainer import train_policy
+    from qevolve_cli.rollout.evaluate import run_eval
+    from qevolve_cli.rollout.loop import run_rollout
+
+    cfg = resolve(env, preset, overrides={"iters": max(iters, 1), "seed": seed})
+    run.mkdir(parents=True, exist_ok=True)
+    times: dict = {}
+    res: dict = {"seed": seed, "run_dir": str(run), "scores": {}, "critics": {}, "advantages": {},
+                 "train_rollout_success": {}}
+    arch, size = cfg.init_model.split(":")
+    base = run / "base_model"
+    stage(base, lambda: create_tiny_model(base, arch=arch, size=size, seed=seed), times, "base_model")
+    expert = run / "expert.parquet"
+
+    def collect():
+        df = collect_expert(env, "train", limit=cfg.expert_limit or None, workers=cfg.expert_workers)
+        schema.write_table(df, expert, producer="bench_learning: expert")
+
+    stage(expert, collect, times, "expert")
+    bc = run / "bc" / "policy"
+    stage(bc, lambda: train_policy(cfg.stage("bc", 0), expert, base, bc, quiet=True), times, "bc")
+
+    def evaluate(arm: str, k: int, policy: Path) -> None:
+        for split in cfg.eval_splits:
+            e_cfg = cfg.stage("rollout", max(k, 1)).replace(split=split, max_tasks=cfg.eval_max_tasks, iteration=k)
+            out = run / arm / f"iter_{k}" / f"eval_{split}.parquet"
+            stage(out, lambda e_cfg=e_cfg, out=out: run_eval(e_cfg, policy, out, resume=True), times,
+                  f"{arm}/iter_{k}/eval_{split}")
+            res["scores"].setdefault(arm, {}).setdefault(split, {})[f"iter_{k}"] = eval_scores(out)
+
+    evaluate("bc", 0, bc)
+    for arm in arms:
+        if arm != "bc":
+            res["scores"].setdefault(arm, {})
+            for split in cfg.eval_splits:  # iteration 0 of every arm is the shared BC policy
+                res["scores"][arm].setdefault(split, {})["iter_0"] = res["scores"]["bc"][split]["iter_0"]
+
+    policies = {arm: bc for arm in arms if arm != "bc"}
+    successes: dict[str, list[Path]] = {arm: [] for arm in policies}
+    for k in range(1, iters + 1):
+        r_cfg = cfg.stage("rollout", k).replace(split="train")
+        l_cfg = cfg.stage("label", k)
+        c_cfg = cfg.stage("critic", k)
+        p_cfg = cfg.stage("policy", k)
+        shared = k == 1  # iteration 1 starts every arm from BC: one rollout, one critic
+        rollouts: dict[str, Path] = {}
+        for arm, pol in policies.items():
+            key = "shared" if shared else arm
+            ro = run / key / f"iter_{k}" / "rollout.parquet"
+            stage(ro, lambda ro=ro, pol=pol, r_cfg=r_cfg: run_rollout(r_cfg, pol, ro, resume=True,
+                                                                      producer="bench_learning"),
+                  times, f"{key}/iter_{k}/rollout")
+            rollouts[arm] = ro
+            res["train_rollout_success"][f"{key}/iter_{k}"] = rollout_success(ro)
+        new: dict[str, Path] = {}
+        for arm, pol in policies.items():
+            key = "shared" if shared else arm
+            out = run / arm / f"iter_{k}" / "policy"
+            if arm == "rft":
+                ok = pl.read_parquet(rollouts[arm])
+                ok = ok.filter(pl.col("traj_id").is_in(
+                    ok.group_by("traj_id").agg(pl.col("reward_env").sum()).filter(pl.col("reward_env") > 0)["traj_id"]
+                    .to_list()))
+                succ = run / arm / f"iter_{k}" / "successes.parquet"
+                if not succ.exists():
+                    succ.parent.mkdir(parents=True, exist_ok=True)
+                    schema.write_table(ok, succ, producer="bench_learning: rft successes")
+                successes[arm].append(succ)
+                data = run / arm / f"iter_{k}" / "rft_data.parquet"
+                if not data.exists():
+                    frames = [pl.read_parquet(expert)] + [pl.read_parquet(p) for p in successes[arm]]
+                    schema.write_table(pl.concat(frames, how="diagonal_relaxed"), data, producer="bench_learning: rft")
+                rft_cfg = p_cfg.replace(objective="bc", bc_source="all")
+                stage(out, lambda out=out, pol=pol, data=data, rft_cfg=rft_cfg:
+                      train_policy(rft_cfg, data, pol, out, quiet=True), times, f"{arm}/iter_{k}/policy")
+            else:
+                labeled = run / key / f"iter_{k}" / "labeled.parquet"
+                stage(labeled, lambda labeled=labeled, ro=rollouts[arm], l_cfg=l_cfg:
+                      label_tables([expert, ro], labeled, l_cfg, tokenizer=base),
+                      times, f"{key}/iter_{k}/label")
+                critic = run / key / f"iter_{k}" / "critic"
+                stage(critic, lambda critic=critic, labeled=labeled, c_cfg=c_cfg: train_critic(c_cfg, labeled, base, critic),
+                      times, f"{key}/iter_{k}/critic")
+                res["critics"][f"{key}/iter_{k}"] = critic_summary(critic)
+                kind = "gae" if arm == "qe_gae" else "gae_aux"
+                adv = run / arm / f"iter_{k}" / "advantages.parquet"
+                a_cfg = l_cfg.replace(advantage=kind)
+                stage(adv, lambda adv=adv, labeled=labeled, critic=critic, a_cfg=a_cfg:
+                      label_tables([labeled], adv, a_cfg, critic=critic), times, f"{arm}/iter_{k}/advantage")
+                res["advantages"][f"{arm}/iter_{k}"] = advantage_summary(adv)
+                stage(out, lambda out=out, pol=pol, adv=adv, p_cfg=p_cfg: train_policy(p_cfg, adv, pol, out, ref=pol,
+                                                                                    quiet=True),
+                      times, f"{arm}/iter_{k}/policy")
+            new[arm] = out
+            evaluate(arm, k, out)
+        policies = new
+    res["stage_seconds"] = times
     return res
+
+
+def mean_se(xs: list[float]) -> dict:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"mean": None, "se": None, "n": 0}
+    m = statistics.fmean(xs)
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
+    return {"mean": m, "se": se, "n": len(xs)}
+
+
+def aggregate(seeds: list[dict], arms: list[str], splits: list[str], iters: int) -> dict:
+    out: dict = {}
+    for arm in arms:
+        for split in splits + ["held_out"]:
+            for k in range(0, iters + 1 if arm != "bc" else 1):
+                vals = []
+                for r in seeds:
+                    sc = r["scores"].get(arm, {})
+                    if split == "held_out":
+                        cells = [sc.get(s, {}).get(f"iter_{k}", {}).get("success") for s in splits]
+                        vals.append(statistics.fmean(cells) if all(c is not None for c in cells) else None)
+                    else:
+                        vals.append(sc.get(split, {}).get(f"iter_{k}", {}).get("success"))
+                out.setdefault(arm, {}).setdefault(split, {})[f"iter_{k}"] = mean_se(vals)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--env", default="lamps")
+    ap.add_argument("--env", default="lamps", choices=("lamps", "textcraft"))
     ap.add_argument("--preset", default="cpu")
-    ap.add_argument("--iters", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--runs", default=None, help="Directory of the run directories (default: a temp dir).")
-    ap.add_argument("--keep", action="store_true", help="Keep the temp run directories.")
-    ap.add_argument("--verbose", action="store_true", help="Stage progress on stderr.")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--runs", default="runs/learning", help="Directory of the run directories (kept; resumable).")
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    tmp = None
-    if args.runs:
-        base = Path(args.runs)
-        base.mkdir(parents=True, exist_ok=True)
-    else:
-        tmp = tempfile.mkdtemp(prefix="qevolve-learning-")
-        base = Path(tmp)
+    arms = ["bc"] + [a for a in args.arms if a != "bc"]
     t0 = time.perf_counter()
     seeds = []
-    try:
-        for s in args.seeds:
-            print(f"[bench_learning] seed {s} ...", file=sys.stderr, flush=True)
-            r = run_seed(args.env, args.preset, args.iters, s, base / f"seed{s}", quiet=not args.verbose)
-            seeds.append(r)
-            sc = {sp: {k: v["success"] for k, v in d.items()} for sp, d in r["scores"].items()}
-            print(f"[bench_learning] seed {s}: {json.dumps(sc)} ({r['wall_s']} s)", file=sys.stderr, flush=True)
-    finally:
-        if tmp and not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-    splits = list(seeds[0]["scores"]) if seeds else []
-    mean: dict = {}
-    for sp in splits:
-        mean[sp] = {}
-        for k in seeds[0]["scores"][sp]:
-            mean[sp][k] = {m: _mean([r["scores"][sp][k][m] for r in seeds]) for m in ("success", "avg_reward")}
-    last = f"iter_{args.iters}"
-    held_out = {k: _mean([mean[sp][k]["success"] for sp in splits]) for k in ("iter_0", last)} if splits else {}
-    out = {
-        "benchmark": "learning_check", "env": args.env, "preset": args.preset, "iters": args.iters,
-        "seeds": seeds, "mean": mean,
-        "held_out_success": held_out,
-        "improved": bool(held_out and held_out[last] > held_out["iter_0"]),
-        "critic_mean": {key: _mean([r["critic"].get(key) for r in seeds if "critic" in r])
-                        for key in ("self_success_pos_adv_share", "self_failed_pos_adv_share", "self_success_V0",
-                                    "self_failed_V0", "expert_V0")} if args.iters >= 1 else {},
-        "clip_frac_mean": _mean([r.get("bppo", {}).get("clip_frac_mean") for r in seeds]),
-        "total_s": round(time.perf_counter() - t0, 1),
-        "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-    }
-    print(json.dumps(out, indent=None))
+    for s in args.seeds:
+        log(f"{args.env} seed {s} ...")
+        r = run_seed(args.env, args.preset, s, args.iters, arms, Path(args.runs) / args.env / f"seed{s}")
+        seeds.append(r)
+        log(f"{args.env} seed {s}: " + json.dumps({a: {sp: {k: round(v['success'], 3) for k, v in d.items()}
+                                                       for sp, d in r["scores"][a].items()} for a in arms}))
+    from qevolve_cli.evolve.config import resolve
+
+    splits = list(resolve(args.env, args.preset).eval_splits)
+    out = {"benchmark": "learning_check", "env": args.env, "preset": args.preset, "iters": args.iters,
+           "arms": arms, "seeds": seeds, "mean_se": aggregate(seeds, arms, splits, args.iters),
+           "total_s": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

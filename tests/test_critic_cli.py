@@ -61,10 +61,12 @@ def test_critic_cli_trains_on_textcraft_and_labels_advantages(textcraft_buffers,
     assert set(lab["aux_kind"].unique()) >= {"format", "invalid", "repeat"}
 
     proc = run_qevolve("critic", "--data", d / "labeled.parquet", "--model", tiny_model_dir, "--out", d / "critic",
-                       "--preset", "cpu", "--epochs", "2", "--steps-per-traj", "3", "--json", check=True)
+                       "--preset", "cpu", "--epochs", "2", "--steps-per-traj", "3", "--batch-size", "4", "--json", check=True)
     summary = json.loads(proc.stdout)
-    # the failed trajectory is not trained on
-    assert summary["trajectories"] == lab.filter(pl.col("error").is_null())["traj_id"].n_unique()
+    # the failed trajectory is not trained on; the held-out slice is not trained on either
+    assert summary["trajectories"] + summary["heldout_trajectories"] == lab.filter(pl.col("error").is_null())["traj_id"].n_unique()
+    assert summary["heldout_trajectories"] >= 1
+    assert {"bellman_q", "ev_return", "auc_v", "v_std"} <= set(summary["diagnostics"])
     c = d / "critic"
     for f in ("critic.json", "heads.safetensors", "config.yaml", "metrics.jsonl", "tokenizer.json",
               "adapters/value/adapter_model.safetensors", "adapters/q/adapter_config.json",

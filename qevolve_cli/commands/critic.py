@@ -32,15 +32,24 @@ The table needs the columns of `qevolve label` (reward_aux, weight); positions a
 taken from it when present, else computed with --model's tokenizer and chat template.
 \b
 Writes OUT atomically: adapters/{value,q,q_target} (PEFT), heads.safetensors,
-critic.json, config.yaml (resolved), metrics.jsonl (losses, mean V / Q, TD error per
-epoch), summary.json and the tokenizer. An interrupted run resumes from
-OUT.partial/ (one checkpoint per epoch) when started again with the same arguments.
+critic.json, config.yaml (resolved), metrics.jsonl (losses, mean V / Q, TD error and the
+held-out diagnostics per epoch), diagnostics.json, summary.json and the tokenizer. An
+interrupted run resumes from OUT.partial/ (one checkpoint per epoch) when started again
+with the same arguments.
+\b
+Diagnostics (docs/critic.md#diagnostics): 10 % of the trajectories (heldout_fraction) are
+held out by traj_id; after every epoch the critic is scored on them: Bellman errors of Q
+and V, explained variance of V against the discounted return, AUC of V for success, mean
+advantage by source x success x aux_kind. A critic that has clearly not learned gets one
+warning line on stderr naming the knob to turn. --set early_stop_patience=3 stops when the
+held-out Bellman error stops improving (epochs is then the cap) and keeps the best epoch.
 \b
 Examples:
   qevolve critic --data labeled.parquet --model runs/bc/policy --out runs/it1/critic
   qevolve critic --data labeled.parquet --model tiny/ --out critic/ --preset cpu --json
   qevolve critic --data labeled.parquet --model bc/ --out c2/ --preset iter2 --steps-per-traj 4
   qevolve critic --data labeled.parquet --model bc/ --out c/ --set weighted=false   # ablation w/o W-IQL
+  qevolve critic --data labeled.parquet --model bc/ --out c/ --epochs 60 --set early_stop_patience=4
   qevolve label labeled.parquet --critic runs/it1/critic --out advantages.parquet
 """
 
@@ -90,14 +99,23 @@ def register(app: typer.Typer) -> None:
                 summary = train_critic(cfg, data, model, out, progress=factory, resume=resume)
             if not is_main_process():  # ranks > 0 of a multi-process (DeepSpeed) launch stay silent
                 return
+            if summary.get("warning"):
+                typer.echo(f"qevolve critic: {summary['warning']}", err=True)
             if json_out:
                 emit_json(summary)
             else:
+                from qevolve_cli.critic.diagnostics import summary_line
+
                 f = summary["final"] or {}
+                d = summary.get("diagnostics") or {}
+                stopped = (f", early-stopped after epoch {summary['early_stopped_at']}"
+                           if summary.get("early_stopped_at") else "")
+                kept = f", kept epoch {summary['restored_epoch']}" if summary.get("restored_epoch") else ""
                 typer.echo(
-                    f"critic: {summary['trajectories']} trajectories, {summary['steps']} steps, {cfg.epochs} epochs; "
-                    f"last epoch loss_q {f.get('loss_q')}, loss_v {f.get('loss_v')}, mean V {f.get('mean_v')}, "
-                    f"TD error {f.get('td_error')}; wrote {out}"
+                    f"critic: {summary['trajectories']} trajectories ({summary['heldout_trajectories']} held out), "
+                    f"{summary['steps']} steps, {summary['epochs_run']} of {cfg.epochs} epochs{stopped}{kept}; "
+                    f"last epoch loss_q {f.get('loss_q'):.4f}, loss_v {f.get('loss_v'):.4f}; "
+                    f"{d.get('on', 'held-out')}: {summary_line(d)}; wrote {out}"
                 )
 
         run_command(body)

@@ -11,6 +11,12 @@ from qevolve_cli.commands.common import JsonOpt, emit_json, run_command
 HELP = """Summarise a trajectory table: trajectories, steps, success, counts, value/advantage stats.
 
 \b
+On a table scored by a critic (`qevolve label --critic`: value, next_value, advantage)
+it adds the critic diagnostics (docs/critic.md#diagnostics): explained variance of V
+against the discounted return, AUC of V for success, Bellman/TD errors, mean advantage
+by source x success x aux_kind and the share of failed self steps with A > 0.
+
+\b
 Examples:
   qevolve inspect labeled.parquet
   qevolve inspect labeled.parquet --json | jq .success_rate
@@ -58,6 +64,13 @@ def table_stats(path: Path) -> dict[str, Any]:
     if "advantage" in df.columns:
         by = df.group_by("source").agg(pl.col("advantage").mean().alias("m"), (pl.col("advantage") > 0).mean().alias("pos"))
         out["advantage_by_source"] = {r["source"]: {"mean": r["m"], "positive_share": r["pos"]} for r in by.iter_rows(named=True)}
+    if "value" in df.columns and df["value"].null_count() == 0:
+        from qevolve_cli.critic.diagnostics import diagnose, verdict
+
+        d = diagnose(df)  # on every trajectory of the table (gamma 0.95, m 0.7, shaped return)
+        d.pop("v_by_step", None)
+        d["problems"] = verdict(d)
+        out["critic_diagnostics"] = d
     return out
 
 
@@ -85,6 +98,20 @@ def register(app: typer.Typer) -> None:
                     t.add_row(k, ", ".join(f"{a}={b}" for a, b in v.items()))
                 elif k.endswith("_stats"):
                     t.add_row(k, ", ".join(f"{a}={b:.4f}" for a, b in v.items()))
+            d = stats.get("critic_diagnostics")
+            if d:
+                from qevolve_cli.critic.diagnostics import summary_line
+
+                t.add_row("critic", summary_line(d))
+                if d.get("failed_self_pos_adv") is not None:
+                    t.add_row("failed self steps with A > 0", f"{100 * d['failed_self_pos_adv']:.1f} %")
+                for g in d.get("adv_by_group", []):
+                    key = " ".join(f"{k}={g[k]}" for k in ("source", "success", "aux_kind") if k in g)
+                    t.add_row(f"advantage {key}", f"mean {g['mean']:+.4f}, A>0 {100 * g['pos_share']:.0f} %, "
+                              f"{g['steps']} steps")
             Console().print(t)
+            if d and d.get("problems"):
+                typer.echo(f"qevolve inspect: warning: the values look unlearned ({'; '.join(d['problems'])}); "
+                           "see docs/critic.md#diagnostics", err=True)
 
         run_command(body)

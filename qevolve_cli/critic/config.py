@@ -70,6 +70,22 @@ class CriticConfig(ConfigBase):
     dtype: str = field("auto", help="Backbone dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.",
                        choices=("auto", "float32", "bfloat16"))
     gradient_checkpointing: bool = field(False, help="Recompute backbone activations in the backward pass (long sequences on GPU).")
+    # held-out diagnostics and convergence (docs/critic.md "Diagnostics")
+    heldout_fraction: float = field(0.1, help="Share of trajectories held out by traj_id (stratified by outcome, "
+                                              "deterministic) for the diagnostics and early stopping; 0: none.",
+                                    ge=0, lt=1)
+    early_stop_patience: int = field(0, help="Stop when the held-out Bellman error has not improved by "
+                                             "early_stop_min_delta for this many epochs (0: run all epochs).", ge=0)
+    early_stop_min_delta: float = field(0.0, help="Smallest relative decrease of the held-out Bellman error that "
+                                                  "counts as an improvement (0.01 = 1 %).", ge=0)
+    early_stop_metric: str = field("bellman_q", help="Held-out error watched by early stopping: bellman_q (the Q "
+                                                     "regression's TD error, the default), bellman (bellman_q + the "
+                                                     "expectile error of V) or td_v (V's own TD error).",
+                                   choices=("bellman_q", "bellman", "td_v"))
+    restore_best: bool = field(True, help="With early stopping: keep the epoch with the lowest held-out Bellman "
+                                          "error, not the last one.")
+    diag_lambda: float = field(0.95, help="GAE lambda of the advantages in the diagnostics (r_env only, as the "
+                                          "paper's process reward).", ge=0, le=1)
     checkpoint: bool = field(True, help="Save a resumable checkpoint after every epoch (OUT.partial/; not under DeepSpeed).")
     deepspeed: str | None = field(None, help="DeepSpeed config for data-parallel training (ZeRO stage 0-2, e.g. "
                                              "configs/deepspeed/zero2.json; stage 3 is refused); launch with torchrun.")

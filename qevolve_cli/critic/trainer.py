@@ -249,6 +249,46 @@ class CriticTrainer:
         red = self.ds.all_reduce_sum([stats[k] * wk for k, wk in zip(keys, w, strict=True)])
         return dict(zip(keys, red, strict=True))
 
+    # ---------------------------------------------------------------- held-out evaluation
+    def score_items(self, items: list[TrajItem], n_rows: int, batch_size: int | None = None) -> dict[str, np.ndarray]:
+        """V(s), V(s'), Q1, Q2 (online) and min(Qbar1, Qbar2) (delayed) at every step of ``items``.
+
+        Arrays of length ``n_rows`` indexed like the source frame (rows of other items stay 0).
+        Three forwards per trajectory (value, q, q_target), no gradients, all steps scored.
+        """
+        c = self.critic
+        cols = {k: np.zeros(n_rows, np.float32) for k in ("value", "next_value", "q1", "q2", "q_value")}
+        bs = batch_size or max(self.cfg.batch_size, 8)
+        order = sorted(range(len(items)), key=lambda i: len(items[i].input_ids))
+        with torch.no_grad():
+            for start in range(0, len(order), bs):
+                idx = order[start:start + bs]
+                b = collate(items, [(i, np.arange(items[i].n_steps)) for i in idx], self.pad_id, self.device)
+                h_s, h_next = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s, b.pos_next)
+                (h_sa,) = c.pooled("q", b.input_ids, b.attention_mask, b.pos_sa)
+                (h_sat,) = c.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
+                got = {"value": c.head("v", h_s), "next_value": c.head("v", h_next), "q1": c.head("q1", h_sa),
+                       "q2": c.head("q2", h_sa),
+                       "q_value": torch.minimum(c.head("q1_target", h_sat), c.head("q2_target", h_sat))}
+                for r, (i, steps) in enumerate(b.steps):
+                    rows = items[i].rows[steps]
+                    for k, t in got.items():
+                        cols[k][rows] = t[r, :len(steps)].float().cpu().numpy()
+        return cols
+
+    def adapter_state(self) -> dict[str, Any]:
+        """A copy of the trainable weights (adapters and heads): the best epoch kept by early stopping."""
+        return {"adapters": {n: p.detach().cpu().clone() for n, p in self.critic.backbone.named_parameters()
+                             if "lora_" in n},
+                "heads": {k: v.detach().cpu().clone() for k, v in self.critic.heads.state_dict().items()}}
+
+    def load_adapter_state(self, s: dict[str, Any]) -> None:
+        params = dict(self.critic.backbone.named_parameters())
+        with torch.no_grad():
+            for n, t in s["adapters"].items():
+                params[n].copy_(t)
+        self.critic.heads.load_state_dict(s["heads"])
+
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         adapters = {n: p.detach().cpu().clone() for n, p in self.critic.backbone.named_parameters() if "lora_" in n}
@@ -266,6 +306,72 @@ class CriticTrainer:
         self.q.load_state_dict(s["q"])
         self.v.load_state_dict(s["v"])
         self.n = int(s["n"])
+
+
+def split_heldout(items: list[TrajItem], df: Any, fraction: float) -> tuple[list[TrajItem], list[TrajItem]]:
+    """(train items, held-out items): whole trajectories (all their windows) held out by traj_id.
+
+    The choice (:func:`qevolve_cli.critic.diagnostics.heldout_mask`) is deterministic, stratified by
+    outcome, and depends only on the trajectory ids and outcomes, not on the order of the table.
+    """
+    from qevolve_cli.critic.diagnostics import heldout_mask
+
+    if fraction <= 0 or not items:
+        return items, []
+    tid = df["traj_id"].to_numpy()
+    if "success" in df.columns:
+        succ_row = df["success"].to_numpy().astype(bool)
+    else:
+        import polars as pl
+
+        tot = df.group_by("traj_id").agg(pl.col("reward_env").sum())
+        ok = dict(zip(tot["traj_id"].to_list(), (tot["reward_env"] != 0).to_list(), strict=True))
+        succ_row = np.array([ok[t] for t in tid], bool)
+    base = [str(tid[it.rows[0]]) for it in items]
+    ids = sorted(set(base))
+    first = {}
+    for it, b in zip(items, base, strict=True):
+        first.setdefault(b, bool(succ_row[it.rows[0]]))
+    held = dict(zip(ids, heldout_mask(ids, [first[i] for i in ids], fraction), strict=True))
+    train = [it for it, b in zip(items, base, strict=True) if not held[b]]
+    test = [it for it, b in zip(items, base, strict=True) if held[b]]
+    if not train:
+        return items, []
+    return train, test
+
+
+def evaluate_items(trainer: CriticTrainer, items: list[TrajItem], df: Any, cfg: CriticConfig,
+                   full: bool = False) -> dict[str, Any]:
+    """Diagnostics (:func:`qevolve_cli.critic.diagnostics.diagnose`) of the critic on ``items``' trajectories.
+
+    Scores every step of the items, computes the paper's GAE advantage (r_env only, ``diag_lambda``)
+    from the critic's V, and returns the metrics; ``full`` keeps the per-step curves and calibration
+    bins (final diagnostics), else only scalars and the advantage groups (per-epoch metrics).
+    """
+    import polars as pl
+
+    from qevolve_cli import core
+    from qevolve_cli.critic.diagnostics import diagnose
+    from qevolve_cli.labeling import process_rewards
+
+    if not items:
+        return {}
+    cols = trainer.score_items(items, df.height)
+    rows = np.unique(np.concatenate([it.rows for it in items]))
+    keep = [c for c in ("traj_id", "step", "source", "success", "aux_kind", "reward_env", "reward_aux", "done")
+            if c in df.columns]
+    sub = df.select(keep).with_columns([pl.Series(k, v, pl.Float32) for k, v in cols.items()])[rows]
+    sub = sub.sort(["traj_id", "step"], maintain_order=True)
+    sub = sub.with_columns(pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value"))
+                           .cast(pl.Float32).alias("next_value"))
+    sub = sub.with_columns(process_rewards(sub, "gae", cfg.gamma, cfg.diag_lambda, offs=core.offsets(sub)))
+    d = diagnose(sub, cfg.gamma, cfg.expectile, shaping=cfg.shaping)
+    if d.get("bellman_q") is not None:
+        d["bellman"] = d["bellman_q"] + d["bellman_v"]
+    if not full:
+        d.pop("calibration", None)
+        d.pop("v_by_step", None)
+    return d
 
 
 def deepspeed_backend(cfg: CriticConfig):
@@ -319,6 +425,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     items = [it for it in items if it.usable.any()]
     if not items:
         raise QevolveError(f"{source or 'data'}: no trajectory fits max_length={cfg.max_length}")
+    items, heldout = split_heldout(items, df, cfg.heldout_fraction)
     ds = deepspeed_backend(cfg)
     critic = CriticModel.create(model, cfg, device=torch.device(ds.device) if ds is not None else None)
     trainer = CriticTrainer(critic, cfg, items, pad_id_of(tok), ds=ds)
@@ -330,6 +437,9 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     partial = _partial_dir(out)
     metrics: list[dict[str, Any]] = []
     start_epoch = 0
+    # early stopping on the held-out Bellman error (early_stop_metric)
+    stop = {"best": None, "best_epoch": 0, "bad": 0, "stopped_at": None}
+    best_state: dict[str, Any] | None = None
     ck = partial / "state.pt"
     if resume and ck.is_file() and ds is None:  # DeepSpeed runs write no checkpoints and start over
         info = json.loads((partial / "progress.json").read_text())
@@ -337,25 +447,70 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
             trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=True))
             metrics = info["metrics"]
             start_epoch = int(info["epochs_done"])
+            stop = info.get("early_stop", stop)
+            if (partial / "best.pt").is_file():
+                best_state = torch.load(partial / "best.pt", map_location="cpu", weights_only=True)
         else:
             shutil.rmtree(partial, ignore_errors=True)
 
+    use_stop = cfg.early_stop_patience > 0 and bool(heldout)
     n_batches = math.ceil(len(items) / cfg.batch_size)
     cb = progress((cfg.epochs - start_epoch) * n_batches) if (progress and main) else None
     for epoch in range(start_epoch, cfg.epochs):
+        if stop["stopped_at"] is not None:
+            break
         m = trainer.run_epoch(epoch, cb)
+        if heldout:
+            m["heldout"] = evaluate_items(trainer, heldout, df, cfg)
+            b = m["heldout"].get(cfg.early_stop_metric)
+            if ds is not None and b is not None:  # every rank takes the same early-stopping decision
+                b = ds.all_reduce_sum([b])[0] / ds.world_size
+            if b is not None:
+                best = stop["best"]
+                if best is None or b < best * (1.0 - cfg.early_stop_min_delta):
+                    stop.update(best=b, best_epoch=epoch + 1, bad=0)
+                    if use_stop and cfg.restore_best:
+                        best_state = trainer.adapter_state()
+                else:
+                    stop["bad"] += 1
+                if use_stop and stop["bad"] >= cfg.early_stop_patience:
+                    stop["stopped_at"] = epoch + 1
         metrics.append(m)
-        if cfg.checkpoint and ds is None and epoch + 1 < cfg.epochs:
+        last = epoch + 1 >= cfg.epochs or stop["stopped_at"] is not None
+        if cfg.checkpoint and ds is None and not last:
             partial.mkdir(parents=True, exist_ok=True)
+            if best_state is not None and stop["best_epoch"] == epoch + 1:
+                with atomic_path(partial / "best.pt") as tmp:
+                    torch.save(best_state, tmp)
             with atomic_path(ck) as tmp:
                 torch.save(trainer.state_dict(), tmp)
             with atomic_path(partial / "progress.json") as tmp:
-                tmp.write_text(json.dumps({"fingerprint": fingerprint, "epochs_done": epoch + 1, "metrics": metrics}))
+                tmp.write_text(json.dumps({"fingerprint": fingerprint, "epochs_done": epoch + 1, "metrics": metrics,
+                                           "early_stop": stop}))
+    restored = None
+    if use_stop and cfg.restore_best and best_state is not None and stop["best_epoch"] != len(metrics):
+        trainer.load_adapter_state(best_state)
+        restored = stop["best_epoch"]
+    # final diagnostics of the critic that is written: held-out when there is a held-out slice, else train data
+    if heldout:
+        diagnostics = {"on": "heldout", "trajectories_held_out": len(heldout),
+                       **evaluate_items(trainer, heldout, df, cfg, full=True)}
+    else:
+        diagnostics = {"on": "train", **evaluate_items(trainer, items, df, cfg, full=True)}
+    from qevolve_cli.critic.diagnostics import verdict, warning_line
+
+    diagnostics["problems"] = verdict(diagnostics)
+    warning = warning_line(diagnostics, "held-out" if heldout else "training data, nothing held out")
 
     summary = {
         "out": str(out), "base_model": str(model), "trajectories": len(items),
+        "heldout_trajectories": len(heldout),
         "steps": int(sum(it.usable.sum() for it in items)), "skipped_steps": skipped_steps,
-        "epochs": cfg.epochs, "resumed_from_epoch": start_epoch, "final": metrics[-1] if metrics else None,
+        "epochs": cfg.epochs, "epochs_run": len(metrics), "resumed_from_epoch": start_epoch,
+        "early_stopped_at": stop["stopped_at"], "best_epoch": stop["best_epoch"] if heldout else None,
+        "restored_epoch": restored,
+        "final": metrics[-1] if metrics else None,
+        "diagnostics": diagnostics, "warning": warning,
         "seconds": round(time.perf_counter() - t_start, 3),
     }
     if ds is not None:
@@ -366,6 +521,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
                                               "gamma": cfg.gamma, "expectile": cfg.expectile})
             dump_yaml(cfg, tmp / "config.yaml")
             (tmp / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+            (tmp / "diagnostics.json").write_text(json.dumps(diagnostics, indent=1) + "\n")
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         shutil.rmtree(partial, ignore_errors=True)
     if ds is not None:

@@ -216,6 +216,7 @@ def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
 
         run.run_stage(f"{it}/critic", critic, inputs=[f"{it}/labeled.parquet"], outputs=[f"{it}/critic"],
                       config_hash=c_cfg.hash(), iteration=k, echo=echo)
+        _echo_critic_diagnostics(run.path / it / "critic", k, echo)
 
         def advantage(l_cfg=l_cfg, it=it):
             from qevolve_cli.labeling import label_tables
@@ -241,6 +242,22 @@ def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
     from qevolve_cli.evolve.report import build_report
 
     return build_report(run.path, plots=True)
+
+
+def _echo_critic_diagnostics(critic_dir: Path, k: int, echo: Callable[[str], None]) -> None:
+    """One line of the critic's held-out diagnostics (and its warning) before the policy step runs."""
+    import json
+
+    p = critic_dir / "diagnostics.json"
+    if not p.is_file():
+        return
+    from qevolve_cli.critic.diagnostics import summary_line, warning_line
+
+    d = json.loads(p.read_text())
+    echo(f"[critic] iteration {k} ({d.get('on', 'held-out')}): {summary_line(d)}")
+    w = warning_line(d, d.get("on", "held-out"))
+    if w:
+        echo(f"[critic] iteration {k}: {w}")
 
 
 def _evaluate(cfg: EvolveConfig, run: RunDir, k: int, policy: str, echo, quiet: bool) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Reads only the run directory (manifest, metrics, tables); writes
 ``RUN/report/report.json``, ``scores.md`` and PNG plots (``scores.png``,
-``critic_losses.png``, ``advantages.png``).
+``critic_losses.png``, ``advantages.png``, ``critic_diagnostics.png``: per iteration the
+held-out critic curves, V along the steps of successful vs failed trajectories and the
+calibration of V against the return).
 """
 from __future__ import annotations
 
@@ -78,6 +80,103 @@ def _plot_scores(run: Path, rows, splits, out: Path) -> None:
     fig.suptitle(run.name)
     fig.tight_layout()
     _save(fig, out)
+
+
+DIAG_KEYS = ("bellman_q", "bellman_v", "ev_return", "auc_v", "auc_v0", "v_std", "failed_self_pos_adv")
+
+
+def critic_diagnostics(run: Path) -> dict[int, dict[str, Any]]:
+    """Per iteration: the final held-out diagnostics of its critic (``iter_k/critic/diagnostics.json``)."""
+    out: dict[int, dict[str, Any]] = {}
+    for p in sorted(run.glob("iter_*/critic/diagnostics.json")):
+        try:
+            k = int(p.parent.parent.name.split("_")[1])
+            out[k] = json.loads(p.read_text())
+        except (ValueError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def _heldout_curves(run: Path) -> dict[int, dict[str, list[float | None]]]:
+    curves: dict[int, dict[str, list[float | None]]] = {}
+    for mp in sorted(run.glob("iter_*/critic/metrics.jsonl")):
+        k = int(mp.parent.parent.name.split("_")[1])
+        c: dict[str, list[float | None]] = {}
+        for line in mp.read_text().splitlines():
+            try:
+                h = json.loads(line).get("heldout") or {}
+            except json.JSONDecodeError:
+                continue
+            for key in DIAG_KEYS:
+                c.setdefault(key, []).append(h.get(key))
+        if c and any(v is not None for vs in c.values() for v in vs):
+            curves[k] = c
+    return curves
+
+
+def _plot_diagnostics(diags: dict[int, dict[str, Any]], curves, out: Path) -> bool:
+    """Per iteration: held-out curves per epoch, V along the steps (success vs failed), calibration of V."""
+    if not diags:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted(diags)
+    fig, axes = plt.subplots(len(ks), 3, figsize=(15, 3.6 * len(ks)), squeeze=False)
+    for row, k in zip(axes, ks, strict=True):
+        d, c = diags[k], curves.get(k, {})
+        ax = row[0]
+        for key in ("ev_return", "auc_v", "bellman_q"):
+            ys = c.get(key, [])
+            if any(y is not None for y in ys):
+                ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker=".", label=key)
+        ax.set_title(f"iteration {k}: held-out per epoch")
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax = row[1]
+        for name in ("success", "failed"):
+            ys = (d.get("v_by_step") or {}).get(name, [])
+            ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], marker=".", label=f"{name} trajectories")
+        ax.set_title(f"iteration {k}: V(s_t) along the steps ({d.get('on', '')})")
+        ax.set_xlabel("step t")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax = row[2]
+        cal = d.get("calibration") or []
+        if cal:
+            xs, ys = [b["v"] for b in cal], [b["ret"] for b in cal]
+            ax.plot(xs, ys, marker="o", label="mean return per V decile")
+            lo, hi = min(xs + ys), max(xs + ys)
+            ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--", label="calibrated")
+        ax.set_title(f"iteration {k}: calibration of V")
+        ax.set_xlabel("V(s_t)")
+        ax.set_ylabel("discounted return")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out)
+    return True
+
+
+def diagnostics_markdown(diags: dict[int, dict[str, Any]]) -> str:
+    if not diags:
+        return ""
+    lines = ["| iteration | on | Bellman Q | expl. var. V | AUC V | AUC V(s_0) | V sd | failed self A>0 | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt="{:.3f}"):
+        return "" if x is None else fmt.format(x)
+
+    for k, d in sorted(diags.items()):
+        verdict = "; ".join(d.get("problems") or []) or "learned"
+        lines.append(f"| {k} | {d.get('on', '')} | {f(d.get('bellman_q'), '{:.4f}')} | {f(d.get('ev_return'), '{:.2f}')} | "
+                     f"{f(d.get('auc_v'), '{:.2f}')} | {f(d.get('auc_v0'), '{:.2f}')} | {f(d.get('v_std'))} | "
+                     f"{f(None if d.get('failed_self_pos_adv') is None else 100 * d['failed_self_pos_adv'], '{:.0f} %')} | "
+                     f"{verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def _critic_curves(run: Path) -> dict[int, dict[str, list[float]]]:
@@ -180,9 +279,17 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
         adv_stats = _plot_advantages(run, out / "advantages.png")
         if adv_stats:
             files.append("report/advantages.png")
+    diags = critic_diagnostics(run)
+    if plots and _plot_diagnostics(diags, _heldout_curves(run), out / "critic_diagnostics.png"):
+        files.append("report/critic_diagnostics.png")
     md = markdown_table(rows, splits)
+    if diags:
+        md += "\nCritic diagnostics (docs/critic.md#diagnostics):\n\n" + diagnostics_markdown(diags)
     write_text(out / "scores.md", md)
-    rep = {"run": str(run), "splits": splits, "rows": rows, "advantages": adv_stats, "files": files + ["report/scores.md"]}
+    critic = {str(k): {key: d.get(key) for key in ("on", "trajectories", "steps", *DIAG_KEYS, "problems")}
+              for k, d in sorted(diags.items())}
+    rep = {"run": str(run), "splits": splits, "rows": rows, "advantages": adv_stats, "critic": critic,
+           "files": files + ["report/scores.md"]}
     write_json(out / "report.json", rep)
     return rep
 
@@ -210,6 +317,21 @@ def print_table(rep: dict[str, Any]) -> None:
             cells += ([f"{100 * (r[s]['avg_reward'] or 0):.1f}", f"{100 * (r[s]['success_rate'] or 0):.1f}"] if s in r else ["", ""])
         t.add_row(r["name"], *cells, str(r["env_steps"]), str(r["cumulative_env_steps"]))
     Console(width=max(100, Console().width)).print(t)
+    if rep.get("critic"):
+        c = Table(title="critic diagnostics (docs/critic.md#diagnostics)", caption="explained variance of V against "
+                  "the discounted return, AUC of V for success, share of failed self steps with A > 0")
+        for col in ("iteration", "on", "Bellman Q", "expl. var.", "AUC V", "AUC V0", "V sd", "failed A>0", "verdict"):
+            c.add_column(col, justify="left" if col in ("on", "verdict") else "right")
+
+        def f(x, fmt="{:.3f}"):
+            return "" if x is None else fmt.format(x)
+
+        for k, d in rep["critic"].items():
+            fp = d.get("failed_self_pos_adv")
+            c.add_row(k, str(d.get("on") or ""), f(d.get("bellman_q"), "{:.4f}"), f(d.get("ev_return"), "{:.2f}"),
+                      f(d.get("auc_v"), "{:.2f}"), f(d.get("auc_v0"), "{:.2f}"), f(d.get("v_std")),
+                      "" if fp is None else f"{100 * fp:.0f} %", "; ".join(d.get("problems") or []) or "learned")
+        Console(width=max(100, Console().width)).print(c)
     files = rep.get("files", [])
     if files:
         Console(stderr=True).print("written: " + ", ".join(str(Path(rep["run"]) / f) for f in files))

@@ -1,0 +1,159 @@
+"""Held-out critic diagnostics: pure metrics against plain loops and hand-computed values."""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from qevolve_cli.critic import diagnostics as dg
+
+# ---------------------------------------------------------------- references (plain loops)
+
+
+def ref_explained_variance(p, y):
+    n = len(y)
+    my = sum(y) / n
+    vy = sum((a - my) ** 2 for a in y) / n
+    r = [a - b for a, b in zip(y, p, strict=True)]
+    mr = sum(r) / n
+    vr = sum((a - mr) ** 2 for a in r) / n
+    return 1 - vr / vy
+
+
+def ref_auc(s, y):
+    pos = [a for a, b in zip(s, y, strict=True) if b]
+    neg = [a for a, b in zip(s, y, strict=True) if not b]
+    tot = 0.0
+    for a in pos:
+        for b in neg:
+            tot += 1.0 if a > b else (0.5 if a == b else 0.0)
+    return tot / (len(pos) * len(neg))
+
+
+# ---------------------------------------------------------------- explained variance
+
+
+def test_explained_variance_hand_computed():
+    # Var(y) = 14/9, Var(y - p) = 2/9  ->  1 - 1/7
+    assert dg.explained_variance([1, 2, 3], [1, 2, 4]) == pytest.approx(6 / 7)
+    assert dg.explained_variance([1, 2, 4], [1, 2, 4]) == pytest.approx(1.0)
+    assert dg.explained_variance([5, 5, 5], [1, 2, 4]) == pytest.approx(0.0)  # a constant explains nothing
+    assert dg.explained_variance([0, 0, 0], [2, 2, 2]) is None  # no variance to explain
+    assert dg.explained_variance([1], [2]) is None
+
+
+def test_explained_variance_matches_reference_and_ignores_masked():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(3, 40))
+        p, y = rng.normal(size=n), rng.normal(size=n)
+        assert dg.explained_variance(p, y) == pytest.approx(ref_explained_variance(p, y), rel=1e-9)
+        mask = rng.random(n) < 0.6
+        mask[:2] = True
+        p2, y2 = p.copy(), y.copy()
+        p2[~mask] = 1e6
+        y2[~mask] = -1e6  # garbage at masked positions changes nothing
+        assert dg.explained_variance(p2, y2, mask) == pytest.approx(ref_explained_variance(p[mask], y[mask]), rel=1e-9)
+
+
+# ---------------------------------------------------------------- AUC
+
+
+def test_auc_hand_computed():
+    assert dg.auc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert dg.auc([0.5, 0.5], [1, 0]) == pytest.approx(0.5)  # a tie counts one half
+    assert dg.auc([1, 2, 3], [0, 1, 1]) == pytest.approx(1.0)
+    assert dg.auc([3, 2, 1], [0, 1, 1]) == pytest.approx(0.0)
+    assert dg.auc([1, 2], [1, 1]) is None  # one class only
+
+
+def test_auc_matches_pairwise_reference_with_ties_and_mask():
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        n = int(rng.integers(2, 50))
+        s = rng.integers(0, 6, size=n).astype(float)  # many ties
+        y = rng.random(n) < 0.4
+        y[0], y[1] = True, False
+        assert dg.auc(s, y) == pytest.approx(ref_auc(s, y))
+        mask = rng.random(n) < 0.7
+        mask[:2] = True
+        s2 = s.copy()
+        s2[~mask] = 99.0
+        assert dg.auc(s2, y, mask) == pytest.approx(ref_auc(s[mask], y[mask]))
+
+
+# ---------------------------------------------------------------- returns, Bellman errors
+
+
+def test_discounted_returns_hand_computed_two_trajectories():
+    g = dg.discounted_returns([0, 0, 1, -0.2, 1], [0, 3, 5], 0.5)
+    assert g == pytest.approx([0.25, 0.5, 1.0, -0.2 + 0.5, 1.0])
+
+
+def test_bellman_errors_hand_computed_and_masked():
+    # y = r + gamma (1 - d) V'  =  [0 + 0.5*1, 1 + 0]  = [0.5, 1.0]
+    out = dg.bellman_errors(q1=[0.5, 0.0], q2=[0.0, 1.0], qbar=[1.0, 0.0], v=[0.5, 0.5], v_next=[1.0, 7.0],
+                            reward=[0.0, 1.0], done=[0, 1], gamma=0.5, expectile=0.7)
+    # Q: 1/2[(0)^2 + (0.5)^2] = 0.125 ; 1/2[(1)^2 + 0] = 0.5  -> mean 0.3125
+    assert out["bellman_q"] == pytest.approx(0.3125)
+    # V: qbar - v = [0.5, -0.5] -> 0.7*0.25, 0.3*0.25 -> mean 0.125
+    assert out["bellman_v"] == pytest.approx(0.125)
+    # TD of V: (0.5 - 0.5)^2, (1 - 0.5)^2 -> 0.125
+    assert out["td_v"] == pytest.approx(0.125)
+    masked = dg.bellman_errors(q1=[0.5, 0.0, 9], q2=[0.0, 1.0, 9], qbar=[1.0, 0.0, 9], v=[0.5, 0.5, 9],
+                               v_next=[1.0, 7.0, 9], reward=[0.0, 1.0, 9], done=[0, 1, 0], gamma=0.5,
+                               expectile=0.7, mask=[True, True, False])
+    assert masked == pytest.approx(out)
+
+
+def test_expectile_loss_asymmetric():
+    assert dg.expectile_loss([2.0, -2.0], 0.7) == pytest.approx([0.7 * 4, 0.3 * 4])
+
+
+# ---------------------------------------------------------------- held-out choice
+
+
+def test_heldout_mask_is_deterministic_order_free_and_stratified():
+    ids = [f"t{i}" for i in range(100)]
+    succ = [i % 4 == 0 for i in range(100)]  # 25 successes, 75 failures
+    m = dg.heldout_mask(ids, succ, 0.1)
+    assert m.sum() == 3 + 8  # per stratum: floor(0.1 * n + 0.5) of 25 and of 75
+    assert m[np.array(succ)].sum() >= 1 and m[~np.array(succ)].sum() >= 1
+    perm = np.random.default_rng(0).permutation(100)
+    m2 = dg.heldout_mask([ids[i] for i in perm], [succ[i] for i in perm], 0.1)
+    assert {ids[i] for i in perm[m2]} == {ids[i] for i in np.flatnonzero(m)}  # same trajectories
+    assert not dg.heldout_mask(ids, succ, 0.0).any()
+    assert not dg.heldout_mask(["a", "b"], [True, True], 0.1).any()  # too few to hold any out
+
+
+# ---------------------------------------------------------------- on a frame, verdict
+
+
+def _frame(value, advantage=None):
+    # two trajectories: success (r = 1 at the end) and failure; gamma 0.5
+    df = pl.DataFrame({
+        "traj_id": ["a", "a", "b", "b"], "step": [0, 1, 0, 1], "source": ["self"] * 4,
+        "success": [True, True, False, False], "aux_kind": ["none", "none", "invalid", "none"],
+        "reward_env": [0.0, 1.0, 0.0, 0.0], "reward_aux": [0.0, 0.0, -0.2, 0.0], "done": [False, True, False, True],
+        "value": value,
+    })
+    if advantage is not None:
+        df = df.with_columns(pl.Series("advantage", advantage))
+    return df
+
+
+def test_diagnose_perfect_and_flat_critics():
+    # shaped returns with gamma 0.5: a = [0.5, 1], b = [-0.2, 0]
+    good = dg.diagnose(_frame([0.5, 1.0, -0.2, 0.0], [0.1, 0.2, -0.3, -0.1]), gamma=0.5)
+    assert good["ev_return"] == pytest.approx(1.0)
+    assert good["auc_v"] == pytest.approx(1.0) and good["auc_v0"] == pytest.approx(1.0)
+    assert good["failed_self_pos_adv"] == 0.0 and good["success_self_pos_adv"] == 1.0
+    grp = {(g["success"], g["aux_kind"]): g for g in good["adv_by_group"]}
+    assert grp[(False, "invalid")]["mean"] == pytest.approx(-0.3)
+    assert dg.verdict(good) == [] and dg.warning_line(good) is None
+    flat = dg.diagnose(_frame([-0.11, -0.11, -0.11, -0.11], [0.1, 0.1, 0.1, 0.1]), gamma=0.5)
+    assert flat["ev_return"] == pytest.approx(0.0, abs=1e-9) and flat["auc_v"] == 0.5
+    problems = dg.verdict(flat)
+    assert len(problems) == 4  # explained variance, AUC, flat V, failed steps with A > 0
+    line = dg.warning_line(flat)
+    assert "\n" not in line and "--epochs" in line and "docs/critic.md" in line

@@ -96,7 +96,7 @@ def test_cpu_preset_critic_orders_states_and_signs_advantages(tiny_model_dir, tm
     d = summary["diagnostics"]
     assert d["on"] == "heldout"
     # the held-out diagnostics say it learned (and the run does not warn)
-    assert d["auc_v"] > 0.75 and d["ev_return"] > 0.3, d
+    assert d["auc_v"] > 0.75 and d["ev_return"] > 0.15, d
     assert summary["warning"] is None, summary["warning"]
 
     sc = score_table(labeled, tmp_path / "critic", device="cpu")

@@ -145,11 +145,13 @@ def test_critic_zero2_two_ranks_equals_single_process_and_scores(tiny_model_dir,
     from qevolve_cli import schema
     from qevolve_cli.critic.score import score_table
 
-    df = labelled(n_traj=5, mean_steps=3, seed=1)
+    df = labelled(n_traj=7, mean_steps=3, seed=1)
     schema.write_table(df, tmp_path / "lab.parquet")
     args = ["--data", tmp_path / "lab.parquet", "--model", tiny_model_dir, "--epochs", "2", "--batch-size", "3",
             "--lr", "1e-3", "--set", "lora_rank=4", "--set", "head_hidden=16", "--set", "device=cpu",
-            "--set", "warmup_ratio=0", "--set", "ema_every=1", "--set", "ema_lambda=0.5", "--json", "--quiet"]
+            "--set", "warmup_ratio=0", "--set", "ema_every=1", "--set", "ema_lambda=0.5",
+            # a held-out slice with early stopping: the stop decision is all-reduced over the ranks
+            "--set", "heldout_fraction=0.4", "--set", "early_stop_patience=1", "--json", "--quiet"]
     run_qevolve("critic", *args, "--out", tmp_path / "plain", check=True)
     proc = torchrun("critic", *args, "--out", tmp_path / "z2", "--set", f"deepspeed={ZERO2}")
     summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
@@ -162,6 +164,11 @@ def test_critic_zero2_two_ranks_equals_single_process_and_scores(tiny_model_dir,
     m_ds = [json.loads(x) for x in (tmp_path / "z2" / "metrics.jsonl").read_text().splitlines()]
     for k in ("loss_q", "loss_v", "mean_q", "mean_v", "td_error", "transitions"):
         assert np.allclose([m[k] for m in m_ds], [m[k] for m in m_plain], rtol=1e-5, atol=1e-6), k
+    assert summary["heldout_trajectories"] >= 1 and summary["trajectories"] + summary["heldout_trajectories"] == 7
+    for k in ("bellman_q", "ev_return", "auc_v"):
+        a, b = [m["heldout"][k] for m in m_ds], [m["heldout"][k] for m in m_plain]
+        assert all((x is None) == (y is None) for x, y in zip(a, b, strict=True)), k
+        assert np.allclose([x for x in a if x is not None], [y for y in b if y is not None], rtol=1e-4, atol=1e-6), k
     sc = score_table(df, tmp_path / "z2", device="cpu")
     assert np.isfinite(sc["value"].to_numpy()).all() and np.isfinite(sc["q_value"].to_numpy()).all()
 

@@ -30,6 +30,7 @@ def smoke_run(tmp_path_factory) -> Path:
     r = run_qevolve("evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--run-dir", run, "--json",
                     timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
+    (run.parent / "stderr.txt").write_text(r.stderr)
     return run
 
 
@@ -82,6 +83,16 @@ def test_report_matches_eval_tables(smoke_run):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     human = run_qevolve("report", smoke_run)
     assert human.returncode == 0 and "iter 1" in human.stdout
+    # the critic's diagnostics per iteration: in report.json, the printed table and a plot
+    diag = json.loads((smoke_run / "iter_1/critic/diagnostics.json").read_text())
+    assert rep["critic"]["1"]["auc_v"] == diag["auc_v"] and rep["critic"]["1"]["ev_return"] == diag["ev_return"]
+    assert "critic diagnostics" in human.stdout
+    assert (smoke_run / "report/critic_diagnostics.png").read_bytes()[:4] == b"\x89PNG"
+    # evolve printed the critic's numbers right after the critic stage, before the policy stage ran
+    err = (smoke_run.parent / "stderr.txt").read_text()
+    line = next(ln for ln in err.splitlines() if ln.startswith("[critic] iteration 1"))
+    run_at = {ln.split()[-1]: err.index(ln) for ln in err.splitlines() if ln.startswith("[run]")}
+    assert run_at["iter_1/critic"] < err.index(line) < run_at["iter_1/policy"], err
 
 
 def test_existing_run_needs_resume_and_same_config(smoke_run):

@@ -196,3 +196,28 @@ def test_advantage_kind_without_values(tmp_path, buffers):
     r = runner.invoke(app, ["label", str(ps), "--out", str(tmp_path / "b.parquet"), "--config", str(cfg)])
     assert r.exit_code == 0, r.output
     assert "advantage" not in schema.read_table(tmp_path / "b.parquet").columns
+
+
+def test_inspect_reports_critic_diagnostics_and_warns_on_flat_values(tmp_path, buffers):
+    pe, ps = buffers
+    out = tmp_path / "lab.parquet"
+    assert run_qevolve("label", pe, ps, "--out", out).returncode == 0
+    df = pl.read_parquet(out)
+    # V = 1 on successful trajectories, 0 on failed ones: a perfect ranking (AUC 1) whatever the returns
+    good = df.with_columns(pl.col("success").cast(pl.Float32).alias("value"),
+                           pl.col("success").cast(pl.Float32).alias("next_value"),
+                           pl.when(pl.col("success")).then(0.1).otherwise(-0.1).cast(pl.Float32).alias("advantage"))
+    schema.write_table(good, tmp_path / "good.parquet")
+    r = run_qevolve("inspect", tmp_path / "good.parquet", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)["critic_diagnostics"]
+    assert d["auc_v"] == pytest.approx(1.0) and d["failed_self_pos_adv"] == 0.0 and d["problems"] == []
+    assert "warning" not in r.stderr
+    flat = good.with_columns(pl.lit(-0.11, pl.Float32).alias("value"), pl.lit(-0.11, pl.Float32).alias("next_value"),
+                             pl.lit(0.05, pl.Float32).alias("advantage"))
+    schema.write_table(flat, tmp_path / "flat.parquet")
+    r = run_qevolve("inspect", tmp_path / "flat.parquet")
+    assert r.returncode == 0, r.stderr
+    assert "critic" in r.stdout
+    warn = [ln for ln in r.stderr.splitlines() if "warning" in ln]
+    assert len(warn) == 1 and "AUC of V for success 0.50" in warn[0] and "docs/critic.md" in warn[0]

@@ -47,9 +47,12 @@ def log(msg: str) -> None:
     print(f"[bench_learning] {msg}", file=sys.stderr, flush=True)
 
 
+COLLECT_ONLY = False  # --collect: read what finished, run nothing
+
+
 def stage(path: Path, fn, times: dict, name: str):
     """Run ``fn`` unless ``path`` exists (files are written atomically by the library)."""
-    if path.exists():
+    if path.exists() or COLLECT_ONLY:
         return
     t0 = time.perf_counter()
     fn()
@@ -131,14 +134,16 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
             out = run / arm / f"iter_{k}" / f"eval_{split}.parquet"
             stage(out, lambda e_cfg=e_cfg, out=out: run_eval(e_cfg, policy, out, resume=True), times,
                   f"{arm}/iter_{k}/eval_{split}")
-            res["scores"].setdefault(arm, {}).setdefault(split, {})[f"iter_{k}"] = eval_scores(out)
+            if out.exists():
+                res["scores"].setdefault(arm, {}).setdefault(split, {})[f"iter_{k}"] = eval_scores(out)
 
     evaluate("bc", 0, bc)
     for arm in arms:
         if arm != "bc":
             res["scores"].setdefault(arm, {})
             for split in cfg.eval_splits:  # iteration 0 of every arm is the shared BC policy
-                res["scores"][arm].setdefault(split, {})["iter_0"] = res["scores"]["bc"][split]["iter_0"]
+                if split in res["scores"].get("bc", {}):
+                    res["scores"][arm].setdefault(split, {})["iter_0"] = res["scores"]["bc"][split]["iter_0"]
 
     policies = {arm: bc for arm in arms if arm != "bc"}
     successes: dict[str, list[Path]] = {arm: [] for arm in policies}
@@ -156,12 +161,17 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
                                                                       producer="bench_learning"),
                   times, f"{key}/iter_{k}/rollout")
             rollouts[arm] = ro
-            res["train_rollout_success"][f"{key}/iter_{k}"] = rollout_success(ro)
+            if ro.exists():
+                res["train_rollout_success"][f"{key}/iter_{k}"] = rollout_success(ro)
+            elif COLLECT_ONLY:
+                continue
         new: dict[str, Path] = {}
         for arm, pol in policies.items():
             key = "shared" if shared else arm
             out = run / arm / f"iter_{k}" / "policy"
-            if arm == "rft":
+            if COLLECT_ONLY and not rollouts.get(arm, Path("/nonexistent")).exists():
+                continue
+            if arm == "rft" and not (COLLECT_ONLY and out.exists()):
                 ok = pl.read_parquet(rollouts[arm])
                 ok = ok.filter(pl.col("traj_id").is_in(
                     ok.group_by("traj_id").agg(pl.col("reward_env").sum()).filter(pl.col("reward_env") > 0)["traj_id"]
@@ -178,6 +188,8 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
                 rft_cfg = p_cfg.replace(objective="bc", bc_source="all")
                 stage(out, lambda out=out, pol=pol, data=data, rft_cfg=rft_cfg:
                       train_policy(rft_cfg, data, pol, out, quiet=True), times, f"{arm}/iter_{k}/policy")
+            elif arm == "rft":
+                pass
             else:
                 labeled = run / key / f"iter_{k}" / "labeled.parquet"
                 stage(labeled, lambda labeled=labeled, ro=rollouts[arm], l_cfg=l_cfg:
@@ -186,13 +198,15 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
                 critic = run / key / f"iter_{k}" / "critic"
                 stage(critic, lambda critic=critic, labeled=labeled, c_cfg=c_cfg: train_critic(c_cfg, labeled, base, critic),
                       times, f"{key}/iter_{k}/critic")
-                res["critics"][f"{key}/iter_{k}"] = critic_summary(critic)
+                if (critic / "summary.json").exists():
+                    res["critics"][f"{key}/iter_{k}"] = critic_summary(critic)
                 kind = "gae" if arm == "qe_gae" else "gae_aux"
                 adv = run / arm / f"iter_{k}" / "advantages.parquet"
                 a_cfg = l_cfg.replace(advantage=kind)
                 stage(adv, lambda adv=adv, labeled=labeled, critic=critic, a_cfg=a_cfg:
                       label_tables([labeled], adv, a_cfg, critic=critic), times, f"{arm}/iter_{k}/advantage")
-                res["advantages"][f"{arm}/iter_{k}"] = advantage_summary(adv)
+                if adv.exists():
+                    res["advantages"][f"{arm}/iter_{k}"] = advantage_summary(adv)
                 stage(out, lambda out=out, pol=pol, adv=adv, p_cfg=p_cfg: train_policy(p_cfg, adv, pol, out, ref=pol,
                                                                                     quiet=True),
                       times, f"{arm}/iter_{k}/policy")
@@ -237,7 +251,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--runs", default="runs/learning", help="Directory of the run directories (kept; resumable).")
+    ap.add_argument("--collect", action="store_true", help="Only read the stages that finished (no training).")
     args = ap.parse_args()
+    global COLLECT_ONLY
+    COLLECT_ONLY = args.collect
 
     import torch
 

@@ -136,7 +136,7 @@ def test_under_trained_critic_warns_on_stderr(tiny_model_dir, tmp_path):
 def test_early_stopping_keeps_the_best_epoch(tiny_model_dir, tmp_path):
     """Patience 1 with a 50 % min-delta stops long before the cap; the written critic is the best epoch's."""
     labeled, _ = label_frame(chain_table(n_expert=6, n_self=18), LabelConfig())
-    cfg = load_critic_config(preset="cpu", overrides={"epochs": 12, "early_stop_patience": 1,
+    cfg = load_critic_config(preset="cpu", overrides={"epochs": 12, "early_stop_patience": 1, "restore_best": True,
                                                       "early_stop_min_delta": 0.5, "heldout_fraction": 0.2})
     summary = train_critic(cfg, labeled, tiny_model_dir, tmp_path / "critic")
     metrics = summary["metrics"]

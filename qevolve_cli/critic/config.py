@@ -82,8 +82,10 @@ class CriticConfig(ConfigBase):
                                                      "regression's TD error, the default), bellman (bellman_q + the "
                                                      "expectile error of V) or td_v (V's own TD error).",
                                    choices=("bellman_q", "bellman", "td_v"))
-    restore_best: bool = field(True, help="With early stopping: keep the epoch with the lowest held-out Bellman "
-                                          "error, not the last one.")
+    restore_best: bool = field(False, help="With early stopping: keep the epoch with the lowest held-out Bellman "
+                                           "error instead of the last one. Off by default: a flat critic has a "
+                                           "low Bellman error, so the lowest is often an early, unlearned epoch "
+                                           "(docs/critic.md#diagnostics).")
     diag_lambda: float = field(0.95, help="GAE lambda of the advantages in the diagnostics (r_env only, as the "
                                           "paper's process reward).", ge=0, le=1)
     checkpoint: bool = field(True, help="Save a resumable checkpoint after every epoch (OUT.partial/; not under DeepSpeed).")

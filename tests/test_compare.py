@@ -114,3 +114,11 @@ def test_compare_bad_inputs_one_line_errors(run, tmp_path):
     r = runner.invoke(app, ["compare", "--run-dir", str(run), "--set", "arms=[sft,ppo]", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "field 'arms': unknown arm 'ppo'" in r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_compare_yaml_mirrors_the_config_defaults():
+    from qevolve_cli.config import load_config
+    from qevolve_cli.evolve.compare import CompareConfig
+    from tests.conftest import ROOT
+
+    assert load_config(CompareConfig, ROOT / "configs" / "compare.yaml") == CompareConfig()

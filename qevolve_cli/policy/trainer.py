@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -258,9 +259,12 @@ def work_dir_for(out: Path) -> Path:
     return out.parent / f".{out.name}.work"
 
 
-def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: str | Path,
+def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], model: str | Path, out: str | Path,
                  ref: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Train a policy with ``cfg.objective`` on table ``data`` from ``model``; write ``out``. -> metrics."""
+    """Train a policy with ``cfg.objective`` on table ``data`` (or several, stacked) from ``model``; write ``out``.
+
+    -> metrics. ``ref``: the frozen reference of bppo's KL and dpo (default: the starting policy).
+    """
     import torch
 
     from qevolve_cli.algos import awr_loss, bppo_loss, dpo_loss, sequence_logratio, token_nll

@@ -136,6 +136,7 @@ def test_policy_bppo_lora_zero3_refreshes_pi_old_and_equals_single_process(polic
     assert load_causal_lm(tmp_path / "z3") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_policy_rft_zero2_and_dpo_zero3_equal_the_single_process_run(tiny_model_dir, tmp_path):
     """The baselines through the same DeepSpeed path: rft (6 trajectories, one per micro-batch, 2 per step)

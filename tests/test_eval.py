@@ -103,6 +103,7 @@ def test_best_of_n_keeps_the_highest_final_reward_per_task() -> None:
     assert m["n"] == 3 and m["avg_reward"] == pytest.approx(0.5) and m["success_rate"] == pytest.approx(1 / 3)
 
 
+@pytest.mark.slow
 def test_eval_best_of_n_on_lamps_is_marked_oracle(tiny_model_dir: Path, tmp_path: Path, tmp_path_factory) -> None:
     from qevolve_cli.rollout.evaluate import trajectory_outcomes
     from qevolve_cli.rollout.warm import react_tune

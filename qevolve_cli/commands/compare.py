@@ -31,15 +31,15 @@ model, BC policy and evaluation settings):
   Q-Evolve   the run's last evaluated iteration
 Every arm is evaluated on the run's eval splits with the run's eval config;
 evaluations the run already made with that config are reused. Prints one table
-(rows = methods, columns = env x split, average reward x100, plus env steps);
-writes RUN_DIR/compare/ (table.md, table.json, manifest.json). Interrupted runs
-continue with --resume.
+(rows = methods, columns = env x split, average reward x100, plus env steps),
+writes RUN_DIR/compare/ (table.md, table.json, manifest.json); --resume
+continues an interrupted comparison.
 \b
 Examples:
   qevolve evolve --env lamps --preset cpu --iters 1 --run-dir runs/lamps-s0
   qevolve compare --run-dir runs/lamps-s0
   qevolve compare --run-dir runs/lamps-s0 --resume --json
-  qevolve compare --run-dir runs/lamps-s0 --set best_of=4 --set arms=[sft,eto] --out runs/lamps-s0/cmp2
+  qevolve compare --run-dir runs/lamps-s0 --set best_of=4 --set eto.dpo_beta=0.5 --out runs/lamps-s0/cmp2
 """
 
 

@@ -25,7 +25,8 @@ model, BC policy and evaluation settings):
   RFT        policy --objective rft from the base model (expert + successful
              iteration-1 rollouts, the run's BC settings)
   ETO        policy --objective dpo from the BC policy (ETO pairs of expert vs
-             iteration-1 rollouts, frozen reference = BC, beta 0.1)
+             iteration-1 rollouts, frozen reference = BC; ETO's recipe: beta
+             0.1, 3 epochs, lr = the run's SFT lr / 20)
   Best-of-N  the BC policy, N = 6 sampled trajectories per task, the best by
              final env reward: an ORACLE upper bound, not a deployable method
   Q-Evolve   the run's last evaluated iteration

@@ -8,7 +8,7 @@ rollouts, its base model and BC policy, its evaluation settings) the arms are:
   plus the successful iteration-1 rollouts, with the run's BC settings;
 * **ETO** = ``policy --objective dpo`` from the BC policy (also the frozen
   reference) on ETO pairs of the expert table and the iteration-1 rollouts,
-  with the run's iteration-1 policy settings (lr, epochs, batching), beta 0.1;
+  ETO's recipe scaled to the run (:meth:`CompareConfig.eto_config`);
 * **Best-of-N** = the BC policy, N sampled trajectories per task, the best by
   final env reward (an oracle upper bound, QLASS's rule);
 * **Q-Evolve** = the run's last evaluated iteration.
@@ -32,6 +32,7 @@ from qevolve_cli.config import ConfigBase, field
 from qevolve_cli.errors import ConfigError, QevolveError
 
 ARMS = ("sft", "rft", "eto", "best_of_n", "qevolve")
+ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
 ARM_NAMES = {"sft": "SFT", "rft": "RFT", "eto": "ETO", "best_of_n": "Best-of-N", "qevolve": "Q-Evolve"}
 
 
@@ -44,8 +45,9 @@ class CompareConfig(ConfigBase):
                                                      "temperature).", ge=0)
     rft: dict[str, Any] = field(default_factory=dict, help="PolicyConfig overrides of the RFT arm (over the run's "
                                                            "bc stage config).")
-    eto: dict[str, Any] = field(default_factory=dict, help="PolicyConfig overrides of the ETO arm (over the run's "
-                                                           "iteration-1 policy config; objective dpo, dpo_beta 0.1).")
+    eto: dict[str, Any] = field(default_factory=dict, help="PolicyConfig overrides of the ETO arm (over ETO's recipe "
+                                                           "scaled to the run: dpo, beta 0.1, lr = SFT lr / 20, 3 "
+                                                           "epochs, warm-up 0.1, constant).")
     qevolve_iteration: int = field(0, help="Iteration that is the Q-Evolve row (0 = the last one with a policy).",
                                    ge=0)
 
@@ -63,9 +65,14 @@ class CompareConfig(ConfigBase):
         return PolicyConfig.from_dict(d, source="compare config: rft")
 
     def eto_config(self, ecfg):
+        """ETO's recipe (run_eto.sh, iteration 1) scaled to the run: beta 0.1, 3 epochs, warm-up 0.1 then a
+        constant lr of the run's SFT lr x (1e-6 / 2e-5) (ETO's DPO lr over its SFT lr); batching and
+        lengths of the run's iteration-1 policy stage. (Q-Evolve's own policy lr collapsed ETO: docs/compare.md.)"""
         from qevolve_cli.policy.config import PolicyConfig
 
-        d = {**ecfg.stage("policy", 1).to_dict(), "objective": "dpo", "dpo_beta": 0.1, **self.eto}
+        bc = ecfg.stage("bc", 0)
+        d = {**ecfg.stage("policy", 1).to_dict(), "objective": "dpo", "dpo_beta": 0.1, "lr": bc.lr * ETO_LR_RATIO,
+             "epochs": 3, "warmup_ratio": 0.1, "lr_scheduler": "constant", **self.eto}
         return PolicyConfig.from_dict(d, source="compare config: eto")
 
 

@@ -122,3 +122,17 @@ def test_compare_yaml_mirrors_the_config_defaults():
     from tests.conftest import ROOT
 
     assert load_config(CompareConfig, ROOT / "configs" / "compare.yaml") == CompareConfig()
+
+
+def test_mean_se_hand_computed_and_against_statistics():
+    import math
+    import statistics
+
+    from qevolve_cli.evolve.compare import mean_se
+
+    assert mean_se([1.0, 3.0]) == (2.0, 1.0)  # sd sqrt(2), / sqrt(2)
+    assert mean_se([5.0]) == (5.0, 0.0)
+    assert all(math.isnan(x) for x in mean_se([]))
+    xs = [0.525, 0.975, 0.6, 0.1]
+    m, se = mean_se(xs)
+    assert m == pytest.approx(statistics.fmean(xs)) and se == pytest.approx(statistics.stdev(xs) / 2)

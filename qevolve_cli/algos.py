@@ -160,6 +160,43 @@ def awr_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     return loss, stats
 
 
+def sequence_logratio(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
+                      token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sequence log-ratio ``sum_j m_j w_j (logp_j - logp_ref_j)``: (B, T) -> (B,).
+
+    With ``mask`` on the assistant tokens of a whole trajectory this is
+    ``log pi(trajectory actions) - log pi_ref(trajectory actions)`` (ETO's
+    trajectory-level log-ratio). Masked positions are replaced by 0 first, so
+    NaN/inf there has no effect on the value or the gradient.
+    """
+    d = fill_masked(logp, mask) - fill_masked(logp_ref, mask).detach()
+    if token_weights is not None:
+        d = d * fill_masked(token_weights, mask)
+    return fill_masked(d, mask).sum(dim=-1)
+
+
+def dpo_loss(logratio_chosen: torch.Tensor, logratio_rejected: torch.Tensor,
+             beta: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO (Rafailov et al. 2023; ETO: trajectory pairs) to *minimise* -> (scalar, stats).
+
+    ``loss = mean_p -log sigmoid(beta * (logratio_chosen_p - logratio_rejected_p))`` over the
+    P pairs; inputs (P,) from :func:`sequence_logratio`. Stats (floats): ``reward_chosen`` /
+    ``reward_rejected`` (mean implicit rewards ``beta * logratio``), ``reward_margin`` and
+    ``reward_accuracy`` (share of pairs with chosen reward > rejected reward).
+    """
+    z = beta * (logratio_chosen - logratio_rejected)
+    loss = -torch.nn.functional.logsigmoid(z).mean()
+    with torch.no_grad():
+        rc, rr = beta * logratio_chosen.detach(), beta * logratio_rejected.detach()
+        stats = {
+            "reward_chosen": float(rc.mean()),
+            "reward_rejected": float(rr.mean()),
+            "reward_margin": float((rc - rr).mean()),
+            "reward_accuracy": float((rc > rr).float().mean()),
+        }
+    return loss, stats
+
+
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Log-prob of each next token. logits (B, T, V), input_ids (B, T) -> (B, T).
 

@@ -39,6 +39,7 @@ COMMAND_MODULES = [
     "critic",
     "policy",
     "evolve",
+    "compare",
     "expert",
     "import_cmd",
     "init_model",

@@ -193,3 +193,88 @@ def test_sequence_logprobs_matches_loop():
         for j in range(4):
             assert float(lp[b, j]) == pytest.approx(float(ls[b, j, ids[b, j + 1]]), abs=1e-5)
         assert float(lp[b, 4]) == 0.0
+
+
+# ---- DPO (ETO's trajectory-level preference loss)
+
+
+def ref_dpo_loss(lp_c, ref_c, m_c, lp_r, ref_r, m_r, beta):
+    """Plain loop: mean over pairs of -log sigmoid(beta * (sum_m (lp_c - ref_c) - sum_m (lp_r - ref_r)))."""
+    tot = 0.0
+    for p in range(len(lp_c)):
+        sc = sum(lp_c[p][t] - ref_c[p][t] for t in range(len(lp_c[p])) if m_c[p][t])
+        sr = sum(lp_r[p][t] - ref_r[p][t] for t in range(len(lp_r[p])) if m_r[p][t])
+        z = beta * (sc - sr)
+        tot += -math.log(1.0 / (1.0 + math.exp(-z)))
+    return tot / len(lp_c)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_dpo_loss_matches_reference_loop(seed, beta):
+    lp_c, _, ref_c, _, m_c, _ = rand_case(seed, B=4, T=9)
+    lp_r, _, ref_r, _, m_r, _ = rand_case(seed + 100, B=4, T=9)
+    rc = algos.sequence_logratio(lp_c, ref_c, m_c)
+    rr = algos.sequence_logratio(lp_r, ref_r, m_r)
+    assert rc.shape == (4,)
+    loss, stats = algos.dpo_loss(rc, rr, beta)
+    exp = ref_dpo_loss(lp_c.tolist(), ref_c.tolist(), m_c.tolist(), lp_r.tolist(), ref_r.tolist(), m_r.tolist(),
+                       beta)
+    assert float(loss) == pytest.approx(exp, rel=1e-10)
+    assert 0.0 <= stats["reward_accuracy"] <= 1.0
+    assert stats["reward_margin"] == pytest.approx(stats["reward_chosen"] - stats["reward_rejected"])
+
+
+def test_dpo_hand_computed():
+    # pi = pi_ref: z = 0 -> loss ln 2, no preference
+    z = torch.zeros(2, dtype=torch.float64)
+    loss, st = algos.dpo_loss(z, z, 0.1)
+    assert float(loss) == pytest.approx(math.log(2.0))
+    assert st["reward_accuracy"] == 0.0 and st["reward_margin"] == 0.0
+    # one pair: chosen tokens logp - ref = (-1 - -2) + (-0.5 - -0.5) = 1, rejected (-3 - -1) = -2 (a masked 9 left out)
+    lp = torch.tensor([[-1.0, -0.5, 0.0], [-3.0, 5.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[-2.0, -0.5, 0.0], [-1.0, -4.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    r = algos.sequence_logratio(lp, ref, mask)
+    assert r.tolist() == [1.0, -2.0]
+    loss, st = algos.dpo_loss(r[:1], r[1:], beta=0.5)  # z = 0.5 * 3 = 1.5
+    assert float(loss) == pytest.approx(math.log1p(math.exp(-1.5)))
+    assert st["reward_chosen"] == pytest.approx(0.5) and st["reward_rejected"] == pytest.approx(-1.0)
+    assert st["reward_accuracy"] == 1.0
+    # token weights scale exactly their own token's term
+    w = torch.tensor([[0.5, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    assert algos.sequence_logratio(lp, ref, mask, w).tolist() == [0.5, -2.0]
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected():
+    lp = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref = lp.detach().clone()
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    r = algos.sequence_logratio(lp, ref, mask)
+    loss, _ = algos.dpo_loss(r[:1], r[1:], beta=0.1)
+    loss.backward()
+    # d loss / d logp = -beta * sigmoid(-z) = -0.05 on chosen tokens, +0.05 on rejected ones (z = 0)
+    assert lp.grad[0].tolist() == pytest.approx([-0.05, -0.05])
+    assert lp.grad[1].tolist() == pytest.approx([0.05, 0.05])
+
+
+def test_dpo_masked_positions_have_no_effect():
+    lp_c, _, ref_c, _, m_c, _ = rand_case(7, B=3, T=6)
+    lp_r, _, ref_r, _, m_r, _ = rand_case(8, B=3, T=6)
+    lp_c.requires_grad_(True)
+    loss, _ = algos.dpo_loss(algos.sequence_logratio(lp_c, ref_c, m_c), algos.sequence_logratio(lp_r, ref_r, m_r))
+    loss.backward()
+    g = lp_c.grad.clone()
+    # garbage (NaN / inf / huge) at masked positions of every input: same value, same gradient, zero grad there
+    lp2 = lp_c.detach().clone()
+    lp2[~m_c] = float("nan")
+    lp2.requires_grad_(True)
+    ref2 = ref_c.clone()
+    ref2[~m_c] = float("inf")
+    lr2 = lp_r.clone()
+    lr2[~m_r] = 1e30
+    loss2, _ = algos.dpo_loss(algos.sequence_logratio(lp2, ref2, m_c), algos.sequence_logratio(lr2, ref_r, m_r))
+    loss2.backward()
+    assert float(loss2.detach()) == pytest.approx(float(loss.detach()), rel=1e-12)
+    assert torch.equal(lp2.grad, g)
+    assert (lp2.grad[~m_c] == 0).all()

@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import ROOT, qevolve_env, run_qevolve
 from tests.test_critic import labelled
-from tests.test_policy import make_table
+from tests.test_policy import make_baseline_table, make_table
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (`make setup` installs the dev extra)")
 
@@ -134,6 +134,39 @@ def test_policy_bppo_lora_zero3_refreshes_pi_old_and_equals_single_process(polic
     assert np.allclose([r["loss"] for r in c], [r["loss"] for r in p], rtol=0, atol=1e-5)
     assert np.allclose([r["kl"] for r in c], [r["kl"] for r in p], rtol=0, atol=1e-6)
     assert load_causal_lm(tmp_path / "z3") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_policy_rft_zero2_and_dpo_zero3_equal_the_single_process_run(tiny_model_dir, tmp_path):
+    """The baselines through the same DeepSpeed path: rft (6 trajectories, one per micro-batch, 2 per step)
+    under ZeRO-2 and dpo (3 pairs, one pair per micro-batch, 2 per step: the last step leaves rank 1 a
+    weight-0 micro-batch; reference log-probs from the full starting model) under ZeRO-3."""
+    from safetensors.torch import load_file
+
+    data = tmp_path / "expert_and_rollout.parquet"
+    make_baseline_table(data, n_tasks=3)
+    common = ["--data", data, "--model", tiny_model_dir, "--full", "--set", "grad_accum_steps=2", "--set",
+              "warmup_ratio=0", "--lr", "2e-3", "--seed", "0", "--json", "--quiet"]
+    runs = {"rft": (ZERO2, ["--objective", "rft", "--set", "micro_batch_size=1", "--epochs", "1"]),
+            "dpo": (ZERO3, ["--objective", "dpo", "--set", "micro_batch_size=2", "--epochs", "2"])}
+    for obj, (cfg, args) in runs.items():
+        run_qevolve("policy", *args, *common, "--out", tmp_path / f"{obj}_plain", check=True)
+        proc = torchrun("policy", *args, *common, "--out", tmp_path / f"{obj}_ds", "--set", f"deepspeed={cfg}")
+        summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+        plain = load_file(str(tmp_path / f"{obj}_plain" / "model.safetensors"))
+        ds = load_file(str(tmp_path / f"{obj}_ds" / "model.safetensors"))
+        assert max_diff(ds, plain) < 2e-5, obj
+        c, p = curve(tmp_path / f"{obj}_ds"), curve(tmp_path / f"{obj}_plain")
+        assert len(c) == len(p) == (3 if obj == "rft" else 4)
+        assert np.allclose([r["loss"] for r in c], [r["loss"] for r in p], rtol=0, atol=1e-5), obj
+        assert [r["tokens"] for r in c] == [r["tokens"] for r in p]
+        if obj == "dpo":
+            assert summary["dpo_pairs"] == 3 and summary["dpo_accuracy_after"] == 1.0
+            assert c[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)  # reference = the starting policy
+            assert np.allclose([r["reward_margin"] for r in c], [r["reward_margin"] for r in p], rtol=0, atol=1e-5)
+        else:
+            assert summary["rft_self_kept"] == 3 and summary["nll_after"] < summary["nll_before"] - 0.1
 
 
 @pytest.mark.timeout(300)

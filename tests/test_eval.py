@@ -85,3 +85,50 @@ def test_eval_critic_needs_candidates(react_model_dir: Path, tmp_path: Path) -> 
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == ["error: --critic: needs --candidates N with N >= 2"]
     assert not (tmp_path / "e.parquet").exists()
+
+
+def test_best_of_n_keeps_the_highest_final_reward_per_task() -> None:
+    from qevolve_cli.rollout.evaluate import best_of_n, summarize
+
+    def traj(task, sample, rewards, error=None):
+        return [dict(traj_id=f"s{sample}/{task}", task_id=task, sample=sample, step=t, reward_env=float(r),
+                     task_type="all", error=error) for t, r in enumerate(rewards)]
+
+    rows = (traj("a", 0, [0, 0]) + traj("a", 1, [0, 1]) + traj("a", 2, [1])  # tie 1 = 1: lowest sample wins
+            + traj("b", 0, [0, 0.5]) + traj("b", 1, [1], error="worker crashed")  # a failed episode counts 0
+            + traj("c", 1, [0]) + traj("c", 0, [0, 0, 0]))  # all 0: sample 0
+    sel = best_of_n(pl.DataFrame(rows))
+    assert sorted(sel["traj_id"].unique().to_list()) == ["s0/b", "s0/c", "s1/a"]
+    m = summarize(sel)
+    assert m["n"] == 3 and m["avg_reward"] == pytest.approx(0.5) and m["success_rate"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow
+def test_eval_best_of_n_on_lamps_is_marked_oracle(tiny_model_dir: Path, tmp_path: Path, tmp_path_factory) -> None:
+    from qevolve_cli.rollout.evaluate import trajectory_outcomes
+    from qevolve_cli.rollout.warm import react_tune
+
+    model = react_tune(tiny_model_dir, tmp_path / "react_lamps", ["lamps"])
+    out = tmp_path / "bon.parquet"
+    res = run_qevolve("eval", "--env", "lamps", "--policy", model, "--split", "test_seen", "--max-tasks", "5",
+                      "--max-steps", "4", "--best-of", "3", "--temperature", "1.0", "--out", out, "--json", *FAST,
+                      check=True)
+    m = json.loads(res.stdout)
+    assert m["best_of"] == 3 and m["oracle"] is True and m["temperature"] == 1.0
+    df = pl.read_parquet(out)  # all N trajectories per task are kept in the table
+    per = trajectory_outcomes(df)
+    assert per.height == 15 and per.group_by("task_id").len()["len"].to_list() == [3] * 5
+    assert m["n"] == 5 and m["env_steps"] == df.height
+    best = per.group_by("task_id").agg(pl.col("reward").max())["reward"]
+    assert m["avg_reward"] == pytest.approx(float(best.mean()), abs=1e-6)
+    # never worse than any single sample index (what one sampled trajectory per task would score)
+    for s in range(3):
+        assert m["avg_reward"] >= float(per.filter(pl.col("sample") == s)["reward"].mean()) - 1e-9
+    assert len(set(df["action"].to_list())) > 1  # sampled, not one greedy action
+    text = run_qevolve("eval", "--env", "lamps", "--policy", model, "--split", "test_seen", "--max-tasks", "5",
+                       "--max-steps", "4", "--best-of", "3", "--temperature", "1.0", "--out", out, "--resume",
+                       *FAST, check=True).stdout
+    assert "best-of-3 by env reward (oracle upper bound)" in " ".join(text.split())  # rich may wrap the title
+    bad = run_qevolve("eval", "--env", "lamps", "--policy", model, "--split", "test_seen", "--best-of", "2",
+                      "--critic", tmp_path, "--candidates", "2", "--out", tmp_path / "x.parquet", *FAST)
+    assert bad.returncode == 2 and "cannot be combined with --critic" in bad.stderr

@@ -61,6 +61,124 @@ def action_logprobs(model_dir, df) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in res.items()}
 
 
+OK_SELF = "Thought: Two logs will do as well.\nAction: get 2 oak log"
+
+
+def make_baseline_table(path, n_tasks=3, steps=2):
+    """Per task: an expert trajectory (GOOD, reward 1), a failed self trajectory (BAD, reward 0) and a
+    successful self trajectory (OK_SELF, reward 1: a tie with the expert for DPO)."""
+    rows = []
+    for k in range(n_tasks):
+        for tid, source, action, reward in ((f"e{k}", "expert", GOOD, 1.0), (f"f{k}", "self", BAD, 0.0),
+                                            (f"s{k}", "self", OK_SELF, 1.0)):
+            for t in range(steps):
+                rows.append(dict(traj_id=tid, env="textcraft", task_id=str(k), split="train", source=source,
+                                 iteration=0 if source == "expert" else 1, step=t,
+                                 instruction=f"craft {k + 1} oak planks", observation=f"Got {t} oak log",
+                                 action=action, command=action.split("Action: ")[1],
+                                 next_observation=f"Got {t + 1} oak log",
+                                 reward_env=reward if t == steps - 1 else 0.0, done=t == steps - 1))
+    write_table(pl.DataFrame(rows), path)
+    return pl.DataFrame(rows)
+
+
+def summed_logprobs(model_dir, df) -> dict[str, float]:
+    """Mean summed log-prob of every step's action (+ end of turn) per distinct action text, computed
+    independently of the trainer (chat template with a generation prompt, then the continuation)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    res: dict[str, list[float]] = {}
+    for (_tid,), g in df.sort("step").group_by("traj_id", maintain_order=True):
+        obs, acts = g["observation"].to_list(), g["action"].to_list()
+        for t in range(g.height):
+            msgs = build_messages(instruction_prompt("textcraft"), g["instruction"][0], obs[: t + 1], acts[:t])
+            prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            c_ids = tok(acts[t] + tok.eos_token, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([p_ids + c_ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            tgt = ids[0, 1:]
+            res.setdefault(acts[t], []).append(float(lp[torch.arange(len(tgt)), tgt][len(p_ids) - 1 :].sum()))
+    return {k: sum(v) / len(v) for k, v in res.items()}
+
+
+@pytest.fixture(scope="module")
+def baseline_table(tmp_path_factory):
+    p = tmp_path_factory.mktemp("base") / "expert_and_rollout.parquet"
+    make_baseline_table(p)
+    return p
+
+
+def test_rft_clones_experts_and_successful_self_trajectories_only(baseline_table, tiny_model_dir, tmp_path):
+    from qevolve_cli.policy import PolicyConfig, train_policy
+
+    cfg = PolicyConfig(objective="rft", lr=2e-3, epochs=4, micro_batch_size=2, warmup_ratio=0.0, seed=0)
+    m = train_policy(cfg, baseline_table, tiny_model_dir, tmp_path / "rft", quiet=True)
+    assert m["trajectories"] == 6 and (m["rft_expert"], m["rft_self_kept"], m["rft_self_dropped"]) == (3, 3, 3)
+    df = pl.read_parquet(baseline_table)
+    before = summed_logprobs(tiny_model_dir, df)
+    after = summed_logprobs(tmp_path / "rft", df)
+    gain = {k: after[k] - before[k] for k in before}
+    # the successful self action is cloned like the expert's; the failed one is not trained on
+    assert gain[OK_SELF] > 5 and gain[GOOD] > 5, gain
+    assert gain[OK_SELF] > gain[BAD] + 3 and gain[GOOD] > gain[BAD] + 3, gain
+    # bc on the same table clones the expert rows only: the successful self action gains much less
+    cfg_bc = PolicyConfig(objective="bc", lr=2e-3, epochs=4, micro_batch_size=2, warmup_ratio=0.0, seed=0)
+    train_policy(cfg_bc, baseline_table, tiny_model_dir, tmp_path / "bc", quiet=True)
+    bc = summed_logprobs(tmp_path / "bc", df)
+    assert after[OK_SELF] > bc[OK_SELF] + 3, (after, bc)
+
+
+def test_dpo_raises_chosen_relative_to_rejected(baseline_table, tiny_model_dir, tmp_path):
+    import math
+
+    from qevolve_cli.policy import PolicyConfig, train_policy
+
+    cfg = PolicyConfig(objective="dpo", lr=2e-3, epochs=4, micro_batch_size=2, warmup_ratio=0.0, seed=0)
+    m = train_policy(cfg, baseline_table, tiny_model_dir, tmp_path / "dpo", quiet=True)
+    # 3 tasks: expert (reward 1) > failed self (0) -> 3 pairs; the successful self trajectories tie
+    assert (m["dpo_pairs"], m["dpo_lose"], m["dpo_win"], m["dpo_tie"]) == (3, 3, 0, 3)
+    # micro_batch_size counts sequences: 2 = one pair (chosen + rejected) per optimiser step
+    assert m["trajectories"] == 6 and m["optimizer_steps"] == 4 * 3
+    lines = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    # the frozen reference is the starting policy: the first step's loss is -log sigmoid(0) = ln 2
+    assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert lines[-1]["loss"] < 0.3 and lines[-1]["reward_accuracy"] == 1.0
+    df = pl.read_parquet(baseline_table)
+    before = summed_logprobs(tiny_model_dir, df)
+    after = summed_logprobs(tmp_path / "dpo", df)
+    rel_gain = (after[GOOD] - before[GOOD]) - (after[BAD] - before[BAD])
+    assert rel_gain > 5, (before, after)
+    assert m["dpo_chosen_logp_delta"] - m["dpo_rejected_logp_delta"] > 5
+    assert m["dpo_margin_after"] > m["dpo_margin_before"] and m["dpo_accuracy_after"] == 1.0
+
+
+def test_cli_stacks_several_data_tables_and_rejects_duplicates(tiny_model_dir, tmp_path):
+    df = make_baseline_table(tmp_path / "all.parquet", n_tasks=2)
+    write_table(df.filter(pl.col("source") == "expert"), tmp_path / "expert.parquet")
+    write_table(df.filter(pl.col("source") == "self"), tmp_path / "rollout.parquet")
+    p = run_qevolve("policy", "--objective", "dpo", "--data", tmp_path / "expert.parquet", "--data",
+                    tmp_path / "rollout.parquet", "--model", tiny_model_dir, "--out", tmp_path / "eto",
+                    "--set", "max_steps=1", "--json", "--quiet", timeout=300)
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout.strip().splitlines()[-1])
+    assert m["dpo_pairs"] == 2 and m["optimizer_steps"] == 1
+    # the same trajectory in two tables is refused, naming the second file
+    p = run_qevolve("policy", "--objective", "rft", "--data", tmp_path / "all.parquet", "--data",
+                    tmp_path / "rollout.parquet", "--model", tiny_model_dir, "--out", tmp_path / "x", "--quiet",
+                    timeout=300)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [f"error: {tmp_path / 'rollout.parquet'}: column 'traj_id': trajectory "
+                                             "'f0' also appears in an earlier --data table"]
+    # dpo without any pair (experts only): one line naming the problem
+    p = run_qevolve("policy", "--objective", "dpo", "--data", tmp_path / "expert.parquet", "--model", tiny_model_dir,
+                    "--out", tmp_path / "y", "--quiet", timeout=300)
+    assert p.returncode == 2 and "no preference pair" in p.stderr and not (tmp_path / "y").exists()
+
+
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     p = tmp_path_factory.mktemp("pol") / "hybrid.parquet"

@@ -80,3 +80,53 @@ def test_collate_broadcasts_step_advantage_to_every_action_token(tok):
     tw = b["token_weights"][0, : len(ex) - 1]
     assert set(tw[ex.is_thought[1:]].tolist()) == {0.25}
     assert set(tw[~ex.is_thought[1:]].tolist()) == {1.0}
+
+
+# ---- RFT / DPO selection (pure table functions)
+
+
+def traj_rows(traj_id, task, source, rewards, env="lamps"):
+    """A trajectory whose per-step env rewards are ``rewards`` (final reward = their sum)."""
+    return [dict(traj_id=traj_id, env=env, task_id=task, source=source, step=t, reward_env=float(r))
+            for t, r in enumerate(rewards)]
+
+
+def frame(*trajs):
+    return pl.DataFrame([r for t in trajs for r in t])
+
+
+def test_rft_keeps_every_expert_and_only_successful_self_trajectories():
+    from qevolve_cli.policy.data import rft_select
+
+    df = frame(traj_rows("e1", "a", "expert", [0, 1]), traj_rows("e2", "b", "expert", [0, 0]),  # failed expert kept
+               traj_rows("s1", "a", "self", [0, 1]), traj_rows("s2", "a", "self", [0, 0, 0]),
+               traj_rows("s3", "b", "self", [0.5]), traj_rows("s4", "c", "self", [0.25, 0.75]))
+    out, counts = rft_select(df, 1.0)
+    assert sorted(out["traj_id"].unique().to_list()) == ["e1", "e2", "s1", "s4"]  # s4: 0.25 + 0.75 = 1
+    assert out.height == 2 + 2 + 2 + 2  # whole trajectories
+    assert counts == {"expert": 2, "self_kept": 2, "self_dropped": 2}
+    out, counts = rft_select(df, 0.5)
+    assert "s3" in out["traj_id"].to_list() and counts["self_kept"] == 3
+
+
+def test_dpo_pairs_follow_eto_construction():
+    from qevolve_cli.policy.data import dpo_pairs
+
+    df = frame(
+        traj_rows("e_a", "a", "expert", [0, 1]),
+        traj_rows("s_a1", "a", "self", [0, 0]),  # lower than the expert: (expert, self)  "lose"
+        traj_rows("s_a2", "a", "self", [1]),  # equal: tie, no pair
+        traj_rows("e_b", "b", "expert", [0.5]),  # WebShop-like partial expert reward
+        traj_rows("s_b1", "b", "self", [0.75]),  # higher than the expert: (self, expert)  "win"
+        traj_rows("s_c1", "c", "self", [1]),  # no expert for task c
+        traj_rows("s_c2", "c", "self", [0]),
+        traj_rows("e_a_other_env", "a", "expert", [1], env="textcraft"),  # same task id, other env: no partner
+    )
+    pairs, counts = dpo_pairs(df, "expert")
+    assert pairs == [("e_a", "s_a1"), ("s_b1", "e_b")]
+    assert counts == {"lose": 1, "win": 1, "tie": 1, "no_anchor": 2, "tasks_with_pairs": 2}
+    pairs, counts = dpo_pairs(df, "expert_or_best")
+    assert pairs == [("e_a", "s_a1"), ("s_b1", "e_b"), ("s_c1", "s_c2")]
+    assert counts["no_anchor"] == 0 and counts["tasks_with_pairs"] == 3
+    with pytest.raises(ValueError, match="unknown DPO anchor"):
+        dpo_pairs(df, "best")

@@ -33,6 +33,9 @@ reward = 1), overall and per task type, naming the env and split. The
 trajectories are written to --out (default eval_<env>_<split>.parquet) and the
 metrics to OUT.metrics.json. --critic DIR --candidates N reranks N sampled
 candidates per step by the critic's Q - V (test-time best-of-N).
+--best-of N samples N whole trajectories per task (rollout temperature) and
+keeps the one with the highest final env reward: QLASS's Best-of-N baseline,
+an oracle upper bound (it reads the outcome), marked as such in the output.
 
 \b
 Examples:
@@ -40,6 +43,7 @@ Examples:
   qevolve eval --env textcraft --policy runs/bc/policy --split test_unseen --max-tasks 20 --json
   qevolve eval --env alfworld --policy base --adapter runs/it2/policy --split test_unseen --backend vllm
   qevolve eval --env sciworld --policy runs/it1/policy --split test_seen --critic runs/it1/critic --candidates 5
+  qevolve eval --env lamps --policy runs/bc/policy --split test_seen --best-of 6 --temperature 1.0
 """
 
 
@@ -48,6 +52,8 @@ def render_table(m: dict[str, Any]) -> None:
     from rich.table import Table
 
     title = f"{m['env']} / {m['split']} — {m['n']} tasks" + (f", critic best-of-{m['candidates']}" if m.get("critic") else "")
+    if m.get("best_of", 1) > 1:
+        title += f", best-of-{m['best_of']} by env reward (oracle upper bound)"
     tab = Table(title=title)
     for col in ("task type", "n", "avg reward (x100)", "success %", "avg steps", "failed"):
         tab.add_column(col, justify="left" if col == "task type" else "right")
@@ -73,7 +79,11 @@ def register(app: typer.Typer) -> None:
         adapter: AdapterOpt = None,
         out: Annotated[Path | None, typer.Option("--out", "-o", help="Trajectory table (default eval_<env>_<split>.parquet).")] = None,
         max_tasks: MaxTasksOpt = None,
-        temperature: Annotated[float | None, typer.Option("--temperature", help="Decoding temperature (default 0 = greedy).")] = None,
+        temperature: Annotated[float | None, typer.Option("--temperature", help="Decoding temperature (default 0 = greedy; "
+                                                          "with --best-of: the sampling temperature, default the "
+                                                          "config's rollout temperature).")] = None,
+        best_of: Annotated[int, typer.Option("--best-of", help="Sample N trajectories per task, keep the best by final "
+                                             "env reward (oracle upper bound, QLASS's Best-of-N).", min=1)] = 1,
         workers: WorkersOptN = None,
         envs_per_worker: EnvsPerWorkerOpt = None,
         lanes: LanesOpt = None,
@@ -95,7 +105,8 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.rollout.evaluate import run_eval
 
             cfg = resolve_config(config, {
-                "env": env, "split": split, "max_tasks": max_tasks, "eval_temperature": temperature,
+                "env": env, "split": split, "max_tasks": max_tasks,
+                ("temperature" if best_of > 1 else "eval_temperature"): temperature,
                 "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
                 "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
                 "candidates": candidates,
@@ -103,7 +114,8 @@ def register(app: typer.Typer) -> None:
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}.parquet")
             sigterm_as_interrupt()
             with ProgressView(f"eval {cfg.env}/{cfg.split}", quiet) as view:
-                m = run_eval(cfg, policy, dest, adapter=adapter, critic=critic, resume=resume, on_progress=view)
+                m = run_eval(cfg, policy, dest, adapter=adapter, critic=critic, best_of=best_of, resume=resume,
+                             on_progress=view)
             write_json(dest.with_name(dest.name + ".metrics.json"), m)
             if json_out:
                 emit_json(m)

@@ -1,4 +1,4 @@
-"""``qevolve policy``: behaviour cloning, BPPO or AWR on a trajectory table."""
+"""``qevolve policy``: behaviour cloning, BPPO, AWR, RFT or DPO on trajectory tables."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +18,8 @@ from qevolve_cli.commands.common import (
     run_command,
 )
 
-HELP = """Train the policy: behaviour cloning (bc), BPPO (bppo) or AWR (awr).
+HELP = """Train the policy: behaviour cloning (bc), BPPO (bppo), AWR (awr), or the baselines
+rejection-sampling fine-tuning (rft) and ETO's trajectory DPO (dpo).
 
 \b
 bc   : NLL of the assistant (thought + action) tokens of expert rows.
@@ -26,6 +27,13 @@ bppo : clipped behaviour-proximal objective with the table's `advantage`
        (run `qevolve label --critic` first), KL to pi_ref, thought tokens
        down-weighted, asymmetric clipping (eps_low 0.8, eps_high 0.4).
 awr  : exp(A/beta)-weighted NLL, weights clipped (the paper's ablation).
+rft  : bc's NLL on expert rows plus the self trajectories whose final reward
+       is >= rft_min_reward (default 1).
+dpo  : per task, the expert trajectory against each self trajectory with a
+       different final reward (higher reward = chosen; ties give no pair);
+       DPO loss over the whole trajectory's assistant tokens against the frozen
+       starting policy (or --ref), beta = dpo_beta (default 0.1, ETO's).
+--data may be given several times (e.g. expert.parquet and rollout.parquet).
 \b
 Writes OUT atomically: model weights (safetensors) or a LoRA adapter, the
 tokenizer files, config.yaml (resolved), metrics.jsonl (loss per optimiser
@@ -36,16 +44,18 @@ Examples:
   qevolve policy --objective bc --data expert.parquet --model tiny/ --out bc/
   qevolve policy --objective bppo --data labeled.parquet --model bc/ --out it1/ --config configs/policy.yaml --preset alfworld_iter1
   qevolve policy --objective awr --data labeled.parquet --model bc/ --out awr/ --set awr_beta=0.5 --json
+  qevolve policy --objective rft --data expert.parquet --data iter_1/rollout.parquet --model base/ --out rft/
+  qevolve policy --objective dpo --data expert.parquet --data iter_1/rollout.parquet --model bc/ --out eto/ --set dpo_beta=0.1
 """
 
 
 def register(app: typer.Typer) -> None:
     @app.command("policy", help=HELP)
     def policy(
-        data: Annotated[Path, typer.Option("--data", help="Trajectory table (Parquet).")],
+        data: Annotated[list[Path], typer.Option("--data", help="Trajectory table (Parquet); repeat to stack several.")],
         model: Annotated[Path, typer.Option("--model", help="Initial policy: HF model directory or LoRA adapter.")],
         out: Annotated[Path, typer.Option("--out", "-o", help="Output model directory (written atomically).")],
-        objective: Annotated[str | None, typer.Option("--objective", help="bc, bppo or awr (default: the "
+        objective: Annotated[str | None, typer.Option("--objective", help="bc, bppo, awr, rft or dpo (default: the "
                                                       "config's objective, bc).")] = None,
         ref: Annotated[Path | None, typer.Option("--ref", help="Reference policy for the KL (default: --model).")] = None,
         config: ConfigOpt = None,
@@ -71,7 +81,7 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.policy.trainer import train_policy
             from qevolve_cli.training import is_main_process
 
-            metrics = train_policy(cfg, data, model, out, ref=ref, quiet=quiet)
+            metrics = train_policy(cfg, data[0] if len(data) == 1 else data, model, out, ref=ref, quiet=quiet)
             if not is_main_process():  # ranks > 0 of a multi-process (DeepSpeed) launch stay silent
                 return
             if json_out:

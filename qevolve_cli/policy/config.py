@@ -1,4 +1,4 @@
-"""``PolicyConfig``: configuration of ``qevolve policy`` (BC, BPPO, AWR).
+"""``PolicyConfig``: configuration of ``qevolve policy`` (BC, BPPO, AWR, RFT, DPO).
 
 Mirrored by ``configs/policy.yaml`` (named presets per environment and
 iteration from the paper's tables "Hyperparameters" and "Iteration 1 vs
@@ -14,12 +14,13 @@ from typing import Any
 from qevolve_cli.config import ConfigBase, configs_dir, field, load_preset_config
 from qevolve_cli.errors import ConfigError
 
-OBJECTIVES = ("bc", "bppo", "awr")
+OBJECTIVES = ("bc", "bppo", "awr", "rft", "dpo")
 
 
 @dataclass
 class PolicyConfig(ConfigBase):
-    objective: str = field("bc", help="Training objective: bc (NLL on expert actions), bppo, awr.",
+    objective: str = field("bc", help="Training objective: bc (NLL on expert actions), bppo, awr, rft (NLL on "
+                                      "expert + successful self trajectories), dpo (ETO trajectory preferences).",
                            choices=OBJECTIVES)
     # optimisation (paper Table "Hyperparameters")
     lr: float = field(1e-5, help="Peak learning rate (paper: 1e-5 SFT/iter 1 ALFWorld, 5e-6 otherwise).", gt=0)
@@ -60,6 +61,13 @@ class PolicyConfig(ConfigBase):
     # AWR ablation
     awr_beta: float = field(1.0, help="AWR temperature beta in exp(A / beta).", gt=0)
     awr_max_weight: float = field(20.0, help="AWR weights are clipped to this maximum.", gt=0)
+    # RFT / DPO baselines (docs/policy.md "Baselines")
+    rft_min_reward: float = field(1.0, help="rft: a self trajectory is successful (trained on) when its final "
+                                            "reward (sum of reward_env) is >= this.", ge=0)
+    dpo_beta: float = field(0.1, help="dpo: beta of the DPO loss (ETO's value in its first iteration: 0.1).", gt=0)
+    dpo_pairs: str = field("expert", help="dpo: anchor of each task's pairs: expert (ETO: the expert trajectory; "
+                                         "tasks without one give no pair) or expert_or_best (else the task's "
+                                         "highest-reward self trajectory).", choices=("expert", "expert_or_best"))
     # data
     bc_source: str = field("expert", help="Rows used by bc: expert rows only, or all rows.",
                            choices=("expert", "all"))

@@ -207,3 +207,77 @@ def collate(examples: Sequence[PolicyExample], pad_id: int, thought_weight: floa
     if lr is not None:
         out["logp_ref"] = lr
     return out
+
+
+# --------------------------------------------------------------------------- RFT / DPO data selection
+
+
+def trajectory_rewards(df: pl.DataFrame) -> pl.DataFrame:
+    """One row per trajectory: ``traj_id, env, task_id, source, reward`` (final reward = sum of ``reward_env``,
+    as in evaluation), in the order the trajectories first appear."""
+    return (
+        df.group_by("traj_id", maintain_order=True)
+        .agg(pl.col("env").first(), pl.col("task_id").first(), pl.col("source").first(),
+             pl.col("reward_env").sum().cast(pl.Float64).alias("reward"))
+    )
+
+
+def rft_select(df: pl.DataFrame, min_reward: float = 1.0) -> tuple[pl.DataFrame, dict[str, int]]:
+    """Rejection-sampling fine-tuning rows: every expert trajectory plus the self trajectories whose final
+    reward is >= ``min_reward``. -> (rows, counts ``expert``, ``self_kept``, ``self_dropped``)."""
+    per = trajectory_rewards(df)
+    expert = per.filter(pl.col("source") == "expert")
+    self_ = per.filter(pl.col("source") != "expert")
+    kept = self_.filter(pl.col("reward") >= min_reward - 1e-6)
+    keep_ids = pl.concat([expert["traj_id"], kept["traj_id"]])
+    out = df.filter(pl.col("traj_id").is_in(keep_ids.implode()))
+    return out, {"expert": expert.height, "self_kept": kept.height, "self_dropped": self_.height - kept.height}
+
+
+def dpo_pairs(df: pl.DataFrame, anchor: str = "expert") -> tuple[list[tuple[str, str]], dict[str, int]]:
+    """ETO's trajectory preference pairs -> ([(chosen traj_id, rejected traj_id)], counts).
+
+    Per task (``env``, ``task_id``): the anchor is the task's expert trajectory (the first one with the
+    highest final reward when there are several). Every self trajectory of the task is compared with the
+    anchor by final reward (sum of ``reward_env``): lower -> (anchor, self) ("lose" in ETO's
+    ``construct_preference.py``), higher -> (self, anchor) ("win"), equal -> no pair ("tie").
+    Tasks without an expert trajectory give no pair (ETO) unless ``anchor == "expert_or_best"``: then
+    the task's highest-reward self trajectory (the first one on ties) is the anchor and the other self
+    trajectories with a strictly lower reward are its rejected partners. Counts: ``lose``, ``win``,
+    ``tie``, ``no_anchor`` (self trajectories of tasks without an anchor), ``tasks_with_pairs``.
+    """
+    if anchor not in ("expert", "expert_or_best"):
+        raise ValueError(f"unknown DPO anchor {anchor!r} (expert, expert_or_best)")
+    per = trajectory_rewards(df)
+    pairs: list[tuple[str, str]] = []
+    counts = {"lose": 0, "win": 0, "tie": 0, "no_anchor": 0, "tasks_with_pairs": 0}
+    for (_env, _task), g in per.group_by(["env", "task_id"], maintain_order=True):
+        ids, src, rew = g["traj_id"].to_list(), g["source"].to_list(), g["reward"].to_list()
+        experts = [i for i, s in enumerate(src) if s == "expert"]
+        selfs = [i for i, s in enumerate(src) if s != "expert"]
+        n0 = len(pairs)
+        if experts:
+            a = max(experts, key=lambda i: (rew[i], -i))
+            for i in selfs:
+                if rew[i] < rew[a]:
+                    pairs.append((ids[a], ids[i]))
+                    counts["lose"] += 1
+                elif rew[i] > rew[a]:
+                    pairs.append((ids[i], ids[a]))
+                    counts["win"] += 1
+                else:
+                    counts["tie"] += 1
+        elif anchor == "expert_or_best" and selfs:
+            a = max(selfs, key=lambda i: (rew[i], -i))
+            for i in selfs:
+                if i == a:
+                    continue
+                if rew[i] < rew[a]:
+                    pairs.append((ids[a], ids[i]))
+                    counts["lose"] += 1
+                else:
+                    counts["tie"] += 1
+        else:
+            counts["no_anchor"] += len(selfs)
+        counts["tasks_with_pairs"] += int(len(pairs) > n0)
+    return pairs, counts

@@ -1,4 +1,4 @@
-"""``train_policy``: behaviour cloning, BPPO and AWR on a trajectory table.
+"""``train_policy``: behaviour cloning, BPPO, AWR, RFT and DPO on a trajectory table (or several).
 
 Memory: only the policy is kept during training. pi_ref's per-token log-probs
 are computed once before training (from ``--ref`` if given, else from the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,29 +84,79 @@ def load_tokenizer(path: str | Path, what: str = "--model"):
     return tok
 
 
-def load_policy_table(cfg: PolicyConfig, data: str | Path):
-    """Read and select the training rows of ``data`` for ``cfg.objective``."""
+def data_paths(data) -> list[Path]:
+    """``--data``: one table or several (a list); returned as a list of paths."""
+    if isinstance(data, (str, Path)):
+        return [Path(data)]
+    paths = [Path(d) for d in data]
+    if not paths:
+        raise QevolveError("--data: no trajectory table given")
+    return paths
+
+
+def read_tables(data, require: tuple[str, ...] | list[str] = ()):
+    """Read and validate one or several tables; several are stacked (a trajectory id may appear in one only)."""
     import polars as pl
 
-    from qevolve_cli.schema import drop_failed, read_table
+    from qevolve_cli.schema import read_table
 
+    paths = data_paths(data)
+    frames, seen = [], set()
+    for p in paths:
+        df = read_table(p, require=require)
+        ids = set(df["traj_id"].unique().to_list())
+        dup = sorted(ids & seen)
+        if dup:
+            raise TableError(p, "traj_id", f"trajectory {dup[0]!r} also appears in an earlier --data table")
+        seen |= ids
+        frames.append(df)
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+
+
+def load_policy_table(cfg: PolicyConfig, data):
+    """Read (one or several tables) and select the training rows of ``data`` for ``cfg.objective``.
+
+    -> (rows, info): ``info`` holds the rft counts or the dpo ``pairs`` and counts.
+    """
+    import polars as pl
+
+    from qevolve_cli.policy.data import dpo_pairs, rft_select
+    from qevolve_cli.schema import drop_failed
+
+    paths = data_paths(data)
+    where = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
     need = ["advantage"] if cfg.objective in ("bppo", "awr") else []
-    df = read_table(data, require=need)
+    df = read_tables(paths, need)
     if cfg.drop_failed:
         df = drop_failed(df)
+    info: dict[str, Any] = {}
     if cfg.objective == "bc" and cfg.bc_source == "expert":
         df = df.filter(pl.col("source") == "expert")
         if df.height == 0:
-            raise TableError(data, "source", "no expert rows to clone (bc uses rows with source == 'expert')")
+            raise TableError(where, "source", "no expert rows to clone (bc uses rows with source == 'expert')")
+    elif cfg.objective == "rft":
+        df, info = rft_select(df, cfg.rft_min_reward)
+        if df.height == 0:
+            raise TableError(where, "source", "no expert rows and no self trajectory with final reward >= "
+                             f"{cfg.rft_min_reward} (rft trains on these)")
+    elif cfg.objective == "dpo":
+        pairs, info = dpo_pairs(df, cfg.dpo_pairs)
+        if not pairs:
+            raise TableError(where, "reward_env", f"no preference pair: no task has an {cfg.dpo_pairs.replace('_', ' ')} "
+                             "trajectory and a self trajectory with a different final reward "
+                             f"(tie {info['tie']}, without anchor {info['no_anchor']})")
+        used = {t for pr in pairs for t in pr}
+        df = df.filter(pl.col("traj_id").is_in(list(used)))
+        info = {**info, "pairs": pairs}
     if df.height == 0:
-        raise TableError(data, None, "no trajectories left to train on")
+        raise TableError(where, None, "no trajectories left to train on")
     if need:
         nulls = df.filter(pl.col("advantage").is_null())
         if nulls.height:
             r = nulls.row(0, named=True)
-            raise TableError(data, "advantage", f"{nulls.height} null values (first at traj_id={r['traj_id']!r} "
+            raise TableError(where, "advantage", f"{nulls.height} null values (first at traj_id={r['traj_id']!r} "
                              f"step={r['step']}); run `qevolve label --critic` first")
-    return df
+    return df, info
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -160,6 +211,34 @@ def step_logprob_stats(examples: list[PolicyExample], logps: list[np.ndarray]) -
     return {"nll": tot / max(1, n), "per_step": per_step, "tokens": n}
 
 
+def dpo_pair_stats(examples: list[PolicyExample], pairs: list[tuple[int, int]], lp_before: list[np.ndarray],
+                   lp_after: list[np.ndarray], lp_ref: list[np.ndarray], beta: float) -> dict[str, Any]:
+    """Trajectory log-probs (summed over the loss tokens) of the pairs before / after training.
+
+    ``dpo_chosen_logp_delta`` / ``dpo_rejected_logp_delta``: mean change of log pi(chosen) / log pi(rejected);
+    ``dpo_margin_before/after``: mean of log pi(chosen) - log pi(rejected); ``dpo_accuracy_after``: share of
+    pairs whose implicit reward beta * (log-ratio to pi_ref) is higher for the chosen trajectory.
+    """
+    def tot(lps: list[np.ndarray], i: int) -> float:
+        e = examples[i]
+        return float(lps[i][: len(e) - 1][e.loss_mask[1:]].sum())
+
+    cb = np.array([tot(lp_before, c) for c, _ in pairs])
+    rb = np.array([tot(lp_before, r) for _, r in pairs])
+    ca = np.array([tot(lp_after, c) for c, _ in pairs])
+    ra = np.array([tot(lp_after, r) for _, r in pairs])
+    cref = np.array([tot(lp_ref, c) for c, _ in pairs])
+    rref = np.array([tot(lp_ref, r) for _, r in pairs])
+    return {
+        "dpo_pairs": len(pairs),
+        "dpo_chosen_logp_delta": float((ca - cb).mean()),
+        "dpo_rejected_logp_delta": float((ra - rb).mean()),
+        "dpo_margin_before": float((cb - rb).mean()),
+        "dpo_margin_after": float((ca - ra).mean()),
+        "dpo_accuracy_after": float((beta * (ca - cref) > beta * (ra - rref)).mean()),
+    }
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -180,12 +259,15 @@ def work_dir_for(out: Path) -> Path:
     return out.parent / f".{out.name}.work"
 
 
-def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: str | Path,
+def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], model: str | Path, out: str | Path,
                  ref: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Train a policy with ``cfg.objective`` on table ``data`` from ``model``; write ``out``. -> metrics."""
+    """Train a policy with ``cfg.objective`` on table ``data`` (or several, stacked) from ``model``; write ``out``.
+
+    -> metrics. ``ref``: the frozen reference of bppo's KL and dpo (default: the starting policy).
+    """
     import torch
 
-    from qevolve_cli.algos import awr_loss, bppo_loss, token_nll
+    from qevolve_cli.algos import awr_loss, bppo_loss, dpo_loss, sequence_logratio, token_nll
     from qevolve_cli.atomic import atomic_dir, write_json
     from qevolve_cli.config import dump_yaml
     from qevolve_cli.training import (
@@ -207,7 +289,8 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     model_path = check_model_dir(model)
     if ref is not None:
         check_model_dir(ref, "--ref")
-    df = load_policy_table(cfg, data)
+    df, table_info = load_policy_table(cfg, data)
+    data_str = str(data) if isinstance(data, (str, Path)) else ", ".join(map(str, data))
     work = work_dir_for(out)
 
     args = TrainArgs(
@@ -232,10 +315,17 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     policy.to(device)
 
     examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.objective in ("bppo", "awr"),
-                              path=str(data))
+                              path=data_str)
     examples = [e for e in examples if e.n_targets > 0]
     if not examples:
-        raise TableError(data, "action", "no action tokens left to train on after truncation")
+        raise TableError(data_str, "action", "no action tokens left to train on after truncation")
+    # dpo: the training units are (chosen, rejected) pairs of example indices
+    pairs: list[tuple[int, int]] = []
+    if cfg.objective == "dpo":
+        pos = {e.traj_id: i for i, e in enumerate(examples)}
+        pairs = [(pos[c], pos[r]) for c, r in table_info["pairs"] if c in pos and r in pos]
+        if not pairs:
+            raise TableError(data_str, "action", "no preference pair left with action tokens after truncation")
     if cfg.normalize_advantage and cfg.objective in ("bppo", "awr"):
         allv = np.concatenate([e.advantages for e in examples])
         mu, sd = float(allv.mean()), float(allv.std()) + 1e-8
@@ -246,8 +336,9 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     # ---- reference and old-policy log-probs (precomputed; only the policy stays loaded)
     state: dict[str, list[np.ndarray] | None] = {"old": None, "ref": None}
     lp_init = compute_logprobs(policy, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast)
-    if cfg.objective == "bppo":
-        state["old"] = lp_init
+    if cfg.objective in ("bppo", "dpo"):
+        if cfg.objective == "bppo":
+            state["old"] = lp_init
         if ref is not None:
             ref_model = load_causal_lm(ref, what="--ref").to(device)
             state["ref"] = compute_logprobs(ref_model, examples, pad_id, cfg.micro_batch_tokens, device,
@@ -260,11 +351,28 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     before = step_logprob_stats(examples, lp_init)
 
     def make_steps(epoch: int) -> list[list[list[int]]]:
+        if cfg.objective == "dpo":  # a pair is two sequences padded together
+            lens = [2 * max(len(examples[c]), len(examples[r])) for c, r in pairs]
+            cap = max(1, cfg.micro_batch_size // 2) if cfg.micro_batch_size else 0
+            mbs = token_budget_batches(lens, cfg.micro_batch_tokens, cap, shuffle=True,
+                                       seed=cfg.seed * 1000003 + epoch)
+            return group_steps(mbs, cfg.grad_accum_steps)
         mbs = token_budget_batches([len(e) for e in examples], cfg.micro_batch_tokens, cfg.micro_batch_size,
                                    shuffle=True, seed=cfg.seed * 1000003 + epoch)
         return group_steps(mbs, cfg.grad_accum_steps)
 
+    def dpo_loss_fn(m, pidx: list[int], ctx: dict):
+        idx = [pairs[p][0] for p in pidx] + [pairs[p][1] for p in pidx]
+        batch = collate([examples[i] for i in idx], pad_id, cfg.thought_weight, None,
+                        [state["ref"][i] for i in idx])
+        lp = batch_logprobs(m, batch, ctx["device"]).float()
+        ratio = sequence_logratio(lp, batch["logp_ref"].to(lp.device), batch["mask"].to(lp.device))
+        n = len(pidx)
+        return dpo_loss(ratio[:n], ratio[n:], cfg.dpo_beta)
+
     def loss_fn(m, idx: list[int], ctx: dict):
+        if cfg.objective == "dpo":
+            return dpo_loss_fn(m, idx, ctx)
         exs = [examples[i] for i in idx]
         old = [state["old"][i] for i in idx] if state["old"] is not None else None
         refl = [state["ref"][i] for i in idx] if state["ref"] is not None else None
@@ -272,7 +380,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
         lp = batch_logprobs(m, batch, ctx["device"]).float()
         mask = batch["mask"].to(lp.device)
         tw = batch["token_weights"].to(lp.device)
-        if cfg.objective == "bc":
+        if cfg.objective in ("bc", "rft"):
             loss = token_nll(lp, mask)
             return loss, {"nll": float(loss.detach())}
         adv = batch["adv"].to(lp.device)
@@ -302,8 +410,10 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
     hooks = Hooks(on_step=on_step, extra_state=lambda: {**flat("old"), **flat("ref")}, load_extra_state=load_extra)
     result = train_loop(
         policy, make_steps, loss_fn, args,
-        micro_weight=lambda idx: sum(examples[i].n_targets for i in idx),
-        micro_tokens=lambda idx: sum(len(examples[i]) for i in idx),
+        micro_weight=(lambda idx: len(idx)) if cfg.objective == "dpo" else
+        (lambda idx: sum(examples[i].n_targets for i in idx)),
+        micro_tokens=(lambda idx: sum(len(examples[pairs[p][0]]) + len(examples[pairs[p][1]]) for p in idx))
+        if cfg.objective == "dpo" else (lambda idx: sum(len(examples[i]) for i in idx)),
         hooks=hooks, backend=backend,
     )
     unwrapped = backend.unwrap(policy)
@@ -332,11 +442,17 @@ def train_policy(cfg: PolicyConfig, data: str | Path, model: str | Path, out: st
         "truncated_trajectories": sum(1 for e in examples if e.dropped_turns or e.cut),
         "final_loss": result.last_metrics.get("loss"),
         "device": device,
-        "data": str(data),
+        "data": data_str,
         "model": str(model_path),
         "ref": str(ref) if ref is not None else None,
         "out": str(out),
     }
+
+    if cfg.objective == "rft":
+        metrics.update({f"rft_{k}": v for k, v in table_info.items()})
+    if cfg.objective == "dpo":
+        metrics.update({f"dpo_{k}": v for k, v in table_info.items() if k != "pairs"})
+        metrics.update(dpo_pair_stats(examples, pairs, lp_init, lp_final, state["ref"], cfg.dpo_beta))
 
     # full weights: a collective under DeepSpeed ZeRO-3 (gathered on rank 0), so every rank calls it
     state = backend.full_state_dict(unwrapped)

@@ -12,6 +12,14 @@ Metrics (every number names its env and split):
 Critic reranking (``critic=DIR, candidates=N``): at every step N candidates are
 sampled and the one with the highest Q - V under the critic is played; the
 chooser comes from :func:`load_chooser` (``qevolve_cli.critic.rerank``).
+
+Best-of-N (``best_of=N``, the paper's baseline row, set up as in QLASS): N
+complete trajectories per task are sampled (``cfg.temperature``), and the one
+with the highest *final environment reward* is kept (:func:`best_of_n`) —
+QLASS's ``calc_results.py`` counts a task as solved when any of its N
+trajectories is. The selection reads the environment's outcome, so this is an
+**oracle upper bound**, not a deployable method; the metrics say so
+(``oracle: true``) and count the env steps of all N trajectories.
 """
 from __future__ import annotations
 
@@ -82,6 +90,33 @@ def summarize(table: pl.DataFrame) -> dict[str, Any]:
     return {**agg(per), "by_task_type": by_type}
 
 
+def trajectory_outcomes(table: pl.DataFrame) -> pl.DataFrame:
+    """One row per trajectory: ``traj_id, task_id, sample, reward, failed, steps`` (failed -> reward 0)."""
+    has_err = "error" in table.columns
+    has_sample = "sample" in table.columns
+    return (
+        table.sort(["traj_id", "step"])
+        .group_by("traj_id", maintain_order=True)
+        .agg(
+            pl.col("task_id").first(),
+            (pl.col("sample").first() if has_sample else pl.lit(0)).alias("sample"),
+            pl.col("reward_env").sum().cast(pl.Float64).alias("reward"),
+            (pl.col("error").is_not_null().any() if has_err else pl.lit(False)).alias("failed"),
+            pl.len().alias("steps"),
+        )
+        .with_columns(pl.when(pl.col("failed")).then(0.0).otherwise(pl.col("reward")).alias("reward"))
+    )
+
+
+def best_of_n(table: pl.DataFrame) -> pl.DataFrame:
+    """Best-of-N selection with the oracle rule: per task, the rows of the trajectory with the highest final
+    environment reward (a failed trajectory counts 0); ties go to the lowest ``sample`` index (then traj_id)."""
+    per = trajectory_outcomes(table)
+    best = (per.sort(["task_id", "reward", "sample", "traj_id"], descending=[False, True, False, False])
+            .group_by("task_id", maintain_order=True).first())
+    return table.filter(pl.col("traj_id").is_in(best["traj_id"].implode()))
+
+
 def run_eval(
     cfg: RolloutConfig,
     policy: str | Path,
@@ -90,6 +125,7 @@ def run_eval(
     adapter: str | Path | None = None,
     critic: str | Path | None = None,
     candidates: int | None = None,
+    best_of: int = 1,
     resume: bool = False,
     backend: Backend | None = None,
     chooser: Chooser | None = None,
@@ -99,9 +135,15 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate ``policy`` (greedy, one trajectory per task) on ``cfg.split``; returns the metrics dict.
 
-    The trajectories go to ``out`` (a temporary file, deleted, when None).
+    ``best_of=N > 1``: N sampled trajectories per task (``cfg.temperature``), the best by final
+    environment reward kept (:func:`best_of_n`, an oracle). The trajectories (all N per task) go to
+    ``out`` (a temporary file, deleted, when None).
     """
-    cfg = cfg.replace(n_per_task=1, candidates=candidates or cfg.candidates)
+    if best_of < 1:
+        raise QevolveError(f"--best-of: must be >= 1, got {best_of}")
+    if best_of > 1 and (critic is not None or chooser is not None):
+        raise QevolveError("--best-of: cannot be combined with --critic reranking")
+    cfg = cfg.replace(n_per_task=best_of, candidates=candidates or cfg.candidates)
     if critic is not None and chooser is None:
         if cfg.candidates < 2:
             raise QevolveError("--critic: needs --candidates N with N >= 2")
@@ -111,9 +153,11 @@ def run_eval(
         tmp = tempfile.TemporaryDirectory(prefix="qevolve-eval-")
         out = Path(tmp.name) / "eval.parquet"
     try:
-        res = run_rollout(cfg, policy, out, adapter=adapter, resume=resume, temperature=cfg.eval_temperature,
+        temperature = cfg.temperature if best_of > 1 else cfg.eval_temperature
+        res = run_rollout(cfg, policy, out, adapter=adapter, resume=resume, temperature=temperature,
                           backend=backend, chooser=chooser, on_progress=on_progress, tasks=tasks,
                           producer="qevolve eval", pool=pool)
+        scored = best_of_n(res.table) if best_of > 1 else res.table
         metrics = {
             "env": cfg.env,
             "split": cfg.split,
@@ -121,9 +165,12 @@ def run_eval(
             "adapter": str(adapter) if adapter else None,
             "critic": str(critic) if critic else None,
             "candidates": cfg.candidates if (critic or chooser) else 1,
-            "temperature": cfg.eval_temperature,
+            "temperature": temperature,
+            "best_of": best_of,
+            "oracle": best_of > 1,  # best-of-N selects by the environment's final reward
             "n_tasks": res.table["task_id"].n_unique(),
-            **summarize(res.table),
+            "env_steps": res.table.height,  # all trajectories played (N per task with best_of)
+            **summarize(scored),
             "out": None if tmp else str(out),
             "stats": res.stats.to_dict(),
         }

@@ -26,6 +26,7 @@ COMMANDS = {
                  "open door to kitchen"],
     "alfworld": ["look", "inventory", "go to countertop 1", "go to cabinet 1", "open cabinet 1"],
     "webshop": ["search[shirt]", "click[back to search]"],
+    "lamps": ["go east", "go west", "turn on lamp", "go east", "turn on lamp"],
 }
 
 

@@ -1,0 +1,100 @@
+"""`qevolve compare`: SFT, RFT, ETO, Best-of-N and Q-Evolve on one evolve run's data, one table."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    JsonOpt,
+    QuietOpt,
+    SetOpt,
+    emit_json,
+    parse_sets,
+    run_command,
+)
+
+HELP = """Compare Q-Evolve with the paper's baselines on the same data and the same evaluation.
+
+\b
+From RUN_DIR of `qevolve evolve` (its expert table, iteration-1 rollouts, base
+model, BC policy and evaluation settings):
+  SFT        the run's BC policy
+  RFT        policy --objective rft from the base model (expert + successful
+             iteration-1 rollouts, the run's BC settings)
+  ETO        policy --objective dpo from the BC policy (ETO pairs of expert vs
+             iteration-1 rollouts, frozen reference = BC; ETO's recipe: beta
+             0.1, 3 epochs, lr = the run's SFT lr / 20)
+  Best-of-N  the BC policy, N = 6 sampled trajectories per task, the best by
+             final env reward: an ORACLE upper bound, not a deployable method
+  Q-Evolve   the run's last evaluated iteration
+Every arm is evaluated on the run's eval splits with the run's eval config;
+evaluations the run already made with that config are reused. Prints one table
+(rows = methods, columns = env x split, average reward x100, plus env steps),
+writes RUN_DIR/compare/ (table.md, table.json, manifest.json); --resume
+continues an interrupted comparison.
+\b
+Examples:
+  qevolve evolve --env lamps --preset cpu --iters 1 --run-dir runs/lamps-s0
+  qevolve compare --run-dir runs/lamps-s0
+  qevolve compare --run-dir runs/lamps-s0 --resume --json
+  qevolve compare --run-dir runs/lamps-s0 --set best_of=4 --set eto.dpo_beta=0.5 --out runs/lamps-s0/cmp2
+"""
+
+
+def render(table: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(title=f"{table['env']} (seed {table['seed']}): average reward x100 per split")
+    tab.add_column("method", no_wrap=True)
+    for c in table["columns"]:
+        tab.add_column(c.split("/", 1)[1], justify="right", no_wrap=True)
+    tab.add_column("self-play steps", justify="right")
+    tab.add_column("eval steps", justify="right")
+    for r in table["rows"]:
+        cells = []
+        for c in table["columns"]:
+            s = r["scores"].get(c)
+            cells.append("–" if not s or s.get("avg_reward") is None else f"{100 * s['avg_reward']:.1f}")
+        tab.add_row(r["method"], *cells, str(r["self_play_steps"]), str(r["eval_steps"]),
+                    style="italic" if r["oracle"] else None)
+    Console().print(tab)
+    if any(r["oracle"] for r in table["rows"]):
+        Console().print(f"Best-of-N: best of {table['best_of']} trajectories by the environment's final reward "
+                        "(oracle upper bound).")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compare", help=HELP)
+    def compare(
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory of `qevolve evolve`.")],
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Comparison directory (default RUN_DIR/compare).")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted comparison.")] = False,
+        config: ConfigOpt = None,
+        sets: SetOpt = None,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        def body() -> None:
+            from qevolve_cli.config import load_config
+            from qevolve_cli.evolve.compare import CompareConfig, _echo_stderr, run_compare
+
+            overrides: dict[str, Any] = {}
+            for k, v in parse_sets(sets).items():  # rft.lr=1e-4 -> {"rft": {"lr": 1e-4}}
+                head, _, rest = k.partition(".")
+                if rest:
+                    overrides.setdefault(head, {})[rest] = v
+                else:
+                    overrides[k] = v
+            ccfg = load_config(CompareConfig, config, None, overrides)
+            table = run_compare(run_dir, ccfg, out=out, resume=resume, quiet=quiet,
+                                echo=(lambda _m: None) if quiet else _echo_stderr)
+            if json_out:
+                emit_json(table)
+            else:
+                render(table)
+
+        run_command(body)

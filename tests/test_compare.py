@@ -1,0 +1,138 @@
+"""`qevolve compare`: baselines on a real (smoke-scale) `lamps` evolve run, subprocess and CliRunner."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import run_qevolve
+
+pytestmark = pytest.mark.slow
+
+
+def per_traj(path: Path) -> pl.DataFrame:
+    df = pl.read_parquet(path)
+    return df.group_by("traj_id", maintain_order=True).agg(pl.col("task_id").first(), pl.col("source").first(),
+                                                         pl.col("reward_env").sum().alias("reward"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("cmp") / "run"
+    r = run_qevolve("evolve", "--env", "lamps", "--preset", "smoke", "--iters", "1", "--run-dir", run, "--quiet",
+                    "--json", timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def compared(run) -> dict:
+    r = run_qevolve("compare", "--run-dir", run, "--json", "--quiet", timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout)
+
+
+def test_compare_table_rows_data_and_reuse(run, compared):
+    t = compared
+    assert [r["arm"] for r in t["rows"]] == ["sft", "rft", "eto", "best_of_n", "qevolve"]
+    assert [r["oracle"] for r in t["rows"]] == [False, False, False, True, False]
+    assert t["columns"] == ["lamps/test_seen", "lamps/test_unseen"]
+    rows = {r["arm"]: r for r in t["rows"]}
+    man = json.loads((run / "manifest.json").read_text())["stages"]
+    cman = json.loads((run / "compare" / "manifest.json").read_text())["stages"]
+    # SFT (= the BC policy) and Q-Evolve are the run's own evaluations, reused, not repeated
+    for arm, k in (("sft", 0), ("qevolve", 1)):
+        for split in ("test_seen", "test_unseen"):
+            s = rows[arm]["scores"][f"lamps/{split}"]
+            assert s["avg_reward"] == man[f"iter_{k}/eval_{split}"]["metrics"]["avg_reward"]
+            assert s["source"].endswith(f"iter_{k}/eval_{split}")
+    assert not [n for n in cman if n.startswith(("eval/sft", "eval/qevolve"))]
+    # the training data of the arms, counted independently from the run's tables
+    expert, rollout = per_traj(run / "expert.parquet"), per_traj(run / "iter_1" / "rollout.parquet")
+    rft = json.loads((run / "compare" / "rft" / "policy" / "train_summary.json").read_text())
+    assert rft["objective"] == "rft"
+    assert rft["trajectories"] == expert.height + rollout.filter(pl.col("reward") >= 1).height
+    eto = json.loads((run / "compare" / "eto" / "policy" / "train_summary.json").read_text())
+    assert eto["objective"] == "dpo" and eto["ref"] == str(run / "bc" / "policy")
+    exp_r = dict(zip(expert["task_id"], expert["reward"], strict=True))
+    n_pairs = sum(1 for task, r in zip(rollout["task_id"], rollout["reward"], strict=True)
+                  if task in exp_r and r != exp_r[task])
+    assert n_pairs > 0 and eto["dpo_pairs"] == n_pairs
+    # Best-of-N: N sampled trajectories per task, the best final reward kept
+    for split in ("test_seen", "test_unseen"):
+        bon = per_traj(run / "compare" / "eval" / f"best_of_n_{split}.parquet")
+        n_tasks = bon["task_id"].n_unique()
+        assert bon.height == 6 * n_tasks and rows["best_of_n"]["scores"][f"lamps/{split}"]["n"] == n_tasks
+        best = bon.group_by("task_id").agg(pl.col("reward").max())["reward"].mean()
+        assert rows["best_of_n"]["scores"][f"lamps/{split}"]["avg_reward"] == pytest.approx(best)
+    # env steps: self-play rollouts used for training, and env steps at evaluation
+    steps = pl.read_parquet(run / "iter_1" / "rollout.parquet").height
+    assert [rows[a]["self_play_steps"] for a in ("sft", "rft", "eto", "best_of_n", "qevolve")] == [0, steps, steps,
+                                                                                                 0, steps]
+    bon_steps = sum(pl.read_parquet(run / "compare" / "eval" / f"best_of_n_{s}.parquet").height
+                    for s in ("test_seen", "test_unseen"))
+    assert rows["best_of_n"]["eval_steps"] == bon_steps
+    md = (run / "compare" / "table.md").read_text()
+    assert md.startswith("| method | lamps/test_seen | lamps/test_unseen |") and "oracle upper bound" in md
+    assert json.loads((run / "compare" / "table.json").read_text()) == t
+
+
+def test_compare_resumes_and_refuses_to_overwrite(run, compared):
+    r = run_qevolve("compare", "--run-dir", run, "--quiet", timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {run / 'compare'}: a comparison already exists here; pass --resume to continue it or choose "
+        "another --out"]
+    # an evaluation lost (e.g. interrupted): --resume re-runs only that stage
+    (run / "compare" / "eval" / "eto_test_seen.parquet").unlink()
+    r = run_qevolve("compare", "--run-dir", run, "--resume", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = [ln for ln in r.stderr.splitlines() if ln.startswith("[run]")]
+    assert ran == ["[run]  eval/eto_test_seen (attempt 2, resuming)"] or ran == ["[run]  eval/eto_test_seen"], ran
+    assert "[skip] rft (done)" in r.stderr and "[skip] eto (done)" in r.stderr
+    again = json.loads(r.stdout)
+    assert again["rows"] == compared["rows"]  # greedy evaluation: the same score again
+
+
+def test_compare_bad_inputs_one_line_errors(run, tmp_path):
+    from qevolve_cli.cli import app
+
+    runner = CliRunner()
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(run / "config.yaml", partial / "config.yaml")
+    shutil.copy(run / "expert.parquet", partial / "expert.parquet")
+    shutil.copytree(run / "bc", partial / "bc")
+    r = runner.invoke(app, ["compare", "--run-dir", str(partial), "--quiet"])
+    assert r.exit_code == 2
+    assert "no iteration-1 rollouts" in r.output and "qevolve evolve --iters 1" in r.output
+    r = runner.invoke(app, ["compare", "--run-dir", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "not a qevolve evolve run directory" in r.output
+    r = runner.invoke(app, ["compare", "--run-dir", str(run), "--set", "arms=[sft,ppo]", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "field 'arms': unknown arm 'ppo'" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_yaml_mirrors_the_config_defaults():
+    from qevolve_cli.config import load_config
+    from qevolve_cli.evolve.compare import CompareConfig
+    from tests.conftest import ROOT
+
+    assert load_config(CompareConfig, ROOT / "configs" / "compare.yaml") == CompareConfig()
+
+
+def test_mean_se_hand_computed_and_against_statistics():
+    import math
+    import statistics
+
+    from qevolve_cli.evolve.compare import mean_se
+
+    assert mean_se([1.0, 3.0]) == (2.0, 1.0)  # sd sqrt(2), / sqrt(2)
+    assert mean_se([5.0]) == (5.0, 0.0)
+    assert all(math.isnan(x) for x in mean_se([]))
+    xs = [0.525, 0.975, 0.6, 0.1]
+    m, se = mean_se(xs)
+    assert m == pytest.approx(statistics.fmean(xs)) and se == pytest.approx(statistics.stdev(xs) / 2)

@@ -101,9 +101,13 @@ def register(app: typer.Typer) -> None:
                 "candidates": candidates,
             })
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}.parquet")
+            from qevolve_cli.models.hub import resolve_model
+
+            pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
+            adp = resolve_model(adapter, "--adapter")
             sigterm_as_interrupt()
             with ProgressView(f"eval {cfg.env}/{cfg.split}", quiet) as view:
-                m = run_eval(cfg, policy, dest, adapter=adapter, critic=critic, resume=resume, on_progress=view)
+                m = run_eval(cfg, pol, dest, adapter=adp, critic=critic, resume=resume, on_progress=view)
             write_json(dest.with_name(dest.name + ".metrics.json"), m)
             if json_out:
                 emit_json(m)

@@ -63,6 +63,22 @@ def ctx_config(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.fixture(scope="module")
+def hf_tables(vmodel, ctx_config, tmp_path_factory):
+    """The hf rollouts that several tests compare with (each played once per module), by (env, adapter)."""
+    cache: dict = {}
+    d = tmp_path_factory.mktemp("hf_tables")
+
+    def get(env: str, adapter: Path | None = None) -> pl.DataFrame:
+        key = (env, str(adapter))
+        if key not in cache:
+            extra = ["--adapter", str(adapter)] if adapter else []
+            cache[key] = _rollout("hf", env, vmodel, d / f"{env}_{len(cache)}.parquet", ctx_config, *extra)
+        return cache[key]
+
+    return get
+
+
 def _rollout(backend: str, env: str, policy: Path, out: Path, cfg: Path, *extra: str, tasks: int = 3) -> pl.DataFrame:
     run_qevolve("rollout", "--env", env, "--policy", policy, "--backend", backend, "--split", "train",
                 "--max-tasks", str(tasks), "--n-per-task", "1", "--max-steps", "4", "--temperature", "0",
@@ -72,8 +88,8 @@ def _rollout(backend: str, env: str, policy: Path, out: Path, cfg: Path, *extra:
 
 @pytest.mark.parametrize("env", ["textcraft", "sciworld"])
 @vllm_test
-def test_rollout_vllm_equals_hf_greedy(vmodel, ctx_config, tmp_path, env) -> None:
-    hf = _rollout("hf", env, vmodel, tmp_path / "hf.parquet", ctx_config)
+def test_rollout_vllm_equals_hf_greedy(vmodel, ctx_config, hf_tables, tmp_path, env) -> None:
+    hf = hf_tables(env)
     vl = _rollout("vllm", env, vmodel, tmp_path / "vllm.parquet", ctx_config)
     assert_frame_equal(hf, vl)
     assert hf["command"].drop_nulls().len() > 0, "the ReAct-tuned model should step the environment"
@@ -108,9 +124,9 @@ def lora_adapter(vmodel, tmp_path_factory) -> Path:
 
 
 @vllm_test
-def test_lora_adapter_vllm_equals_hf_peft(vmodel, lora_adapter, ctx_config, tmp_path) -> None:
-    base = _rollout("hf", "textcraft", vmodel, tmp_path / "base.parquet", ctx_config)
-    hf = _rollout("hf", "textcraft", vmodel, tmp_path / "hf.parquet", ctx_config, "--adapter", str(lora_adapter))
+def test_lora_adapter_vllm_equals_hf_peft(vmodel, lora_adapter, ctx_config, hf_tables, tmp_path) -> None:
+    base = hf_tables("textcraft")
+    hf = hf_tables("textcraft", lora_adapter)
     vl = _rollout("vllm", "textcraft", vmodel, tmp_path / "vllm.parquet", ctx_config, "--adapter", str(lora_adapter))
     assert base["action"].to_list() != hf["action"].to_list(), "the adapter should change what the policy says"
     assert_frame_equal(hf, vl)
@@ -174,28 +190,26 @@ class VLLMServer:
 
 @pytest.mark.slow
 @vllm_test
-def test_openai_backend_against_vllm_serve(vmodel, lora_adapter, ctx_config, tmp_path) -> None:
+def test_openai_backend_against_vllm_serve(vmodel, lora_adapter, ctx_config, hf_tables, tmp_path) -> None:
     server = VLLMServer(vmodel, {lora_adapter.name: lora_adapter}, tmp_path / "server.log")
     try:
         models = server.wait_ready()
         assert str(vmodel) in models and lora_adapter.name in models, models
         url = ["--base-url", server.url]
         # base model and the LoRA module (served as the adapter directory's name), equal to hf (+ peft)
-        for extra in ([], ["--adapter", str(lora_adapter)]):
-            hf = _rollout("hf", "textcraft", vmodel, tmp_path / "hf.parquet", ctx_config, *extra)
-            oa = _rollout("openai", "textcraft", vmodel, tmp_path / "oa.parquet", ctx_config, *url, *extra)
-            assert_frame_equal(hf, oa)
-            (tmp_path / "hf.parquet").unlink()
-            (tmp_path / "oa.parquet").unlink()
+        for i, adapter in enumerate((None, lora_adapter)):
+            extra = ["--adapter", str(adapter)] if adapter else []
+            oa = _rollout("openai", "textcraft", vmodel, tmp_path / f"oa{i}.parquet", ctx_config, *url, *extra)
+            assert_frame_equal(hf_tables("textcraft", adapter), oa)
 
         # the server dies mid-rollout: one line, exit 2, finished episodes kept in the journal
         out = tmp_path / "dies.parquet"
         journal = out.with_name(out.name + ".journal.jsonl")
-        args = ["rollout", "--env", "textcraft", "--policy", str(vmodel), "--backend", "openai", *url,
-                "--split", "train", "--max-tasks", "12", "--n-per-task", "1", "--max-steps", "4", "--temperature",
-                "0", "--config", str(ctx_config), "--out", str(out), "--max-new-tokens", "24", "--workers", "1",
-                "--envs-per-worker", "1", "--lanes", "1", "--seed", "3", "-q"]
-        proc = subprocess.Popen([sys.executable, "-m", "qevolve_cli", *args], env=qevolve_env(),
+        args = ["rollout", "--env", "textcraft", "--policy", str(vmodel), "--split", "train", "--max-tasks", "12",
+                "--n-per-task", "1", "--max-steps", "4", "--temperature", "0", "--config", str(ctx_config), "--out",
+                str(out), "--max-new-tokens", "24", "--workers", "1", "--envs-per-worker", "1", "--lanes", "1",
+                "--seed", "3", "-q"]
+        proc = subprocess.Popen([sys.executable, "-m", "qevolve_cli", *args, "--backend", "openai", *url], env=qevolve_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         t0 = time.time()
         while time.time() - t0 < 120 and proc.poll() is None:
@@ -212,8 +226,7 @@ def test_openai_backend_against_vllm_serve(vmodel, lora_adapter, ctx_config, tmp
         kept = [json.loads(x) for x in journal.read_text().splitlines()[1:]]
         assert 1 <= len(kept) < 12
         # --resume (here with the hf backend: same env/split/iteration) plays only the missing episodes
-        r = run_qevolve(*[a for a in args if a not in url and a != "openai"][:-1], "--backend", "hf", "--resume",
-                        "--json", check=True)
+        r = run_qevolve(*args[:-1], "--backend", "hf", "--resume", "--json", check=True)
         assert json.loads(r.stdout)["stats"]["resumed"] == len(kept)
         assert pl.read_parquet(out)["traj_id"].n_unique() == 12 and not journal.exists()
     finally:
@@ -267,3 +280,13 @@ def test_model_vllm_cannot_load_is_one_line(tmp_path) -> None:
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "vLLM cannot load the model" in lines[0], res.stderr[-3000:]
     assert not out.exists()
+
+
+@vllm_test
+def test_doctor_vllm_check_passes() -> None:
+    """``qevolve doctor --only vllm_engine_lora`` in the vLLM venv: engine + LoRA adapter, equal to hf + peft."""
+    r = run_qevolve("doctor", "--only", "vllm_engine_lora", "--json", check=True)
+    d = json.loads(r.stdout)
+    assert d["backends"]["vllm"] == "ok" and d["versions"]["vllm"]
+    (c,) = d["checks"]
+    assert c["status"] == "pass" and "equals hf + peft" in c["detail"] and "did not change" not in c["detail"], c

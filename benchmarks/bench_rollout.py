@@ -61,6 +61,7 @@ def main() -> None:
                     help="live episodes per worker in the batched modes")
     ap.add_argument("--lanes", type=int, default=2, help="lanes of the batched modes (generation/env overlap)")
     ap.add_argument("--backend", default="hf", choices=("hf", "vllm"), help="generation backend")
+    ap.add_argument("--size", default=None, help="init-model size (default: tiny64 with vllm, tiny with hf)")
     ap.add_argument("--modes", default="sequential,batched_2w,batched_2w_no_overlap,batched_4w",
                     help="comma list of modes (sequential is the baseline and always runs)")
     args = ap.parse_args()
@@ -70,6 +71,7 @@ def main() -> None:
         vllm_cpu_defaults()  # no-ops where the variables are set (CUDA users set their own)
         vllm_quiet_logging()
     n_tasks = args.tasks or (8 if args.quick else 16)
+    size = args.size or ("tiny64" if args.backend == "vllm" else "tiny")
     # 0 = each environment's own episode limit (SciWorld 24, TextCraft 40), as in a real rollout
     max_steps = args.max_steps if args.max_steps is not None else (6 if args.quick else 0)
 
@@ -94,10 +96,10 @@ def main() -> None:
     modes = [m for m in modes if m[0] in wanted]
     result: dict = {"benchmark": "rollout", "cpu_count": os.cpu_count(), "tasks": n_tasks, "max_steps": max_steps,
                     "max_new_tokens": 32, "backend": args.backend,
-                    "model": f"{'tiny64' if args.backend == 'vllm' else 'tiny'} llama (react-tuned)", "envs": {}}
+                    "model": f"{size} llama (react-tuned)", "envs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as td:
         td = Path(td)
-        create_tiny_model(td / "tiny", size="tiny64" if args.backend == "vllm" else "tiny")
+        create_tiny_model(td / "tiny", size=size)
         react_tune(td / "tiny", td / "react", envs)
         if args.backend == "vllm":
             from qevolve_cli.rollout.backends import VLLMBackend

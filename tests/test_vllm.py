@@ -269,17 +269,25 @@ def test_vllm_not_installed_is_one_line(tiny_model_dir, tmp_path) -> None:
 
 
 @vllm_test
-def test_model_vllm_cannot_load_is_one_line(tmp_path) -> None:
-    """``init-model --size tiny`` has attention heads of 16, which vLLM's kernels do not take."""
+@pytest.mark.parametrize("case,needle", [("head16", "head size 16"),
+                                         ("unknown_arch", "Model architectures ['QevolveUnknownForCausalLM'] are not supported")])
+def test_model_vllm_cannot_load_is_one_line(tmp_path, case, needle) -> None:
+    """``init-model --size tiny`` has attention heads of 16, which vLLM's CPU kernels do not take (refused
+    before the engine starts); an architecture vLLM does not know fails inside ``LLM(...)``."""
     from qevolve_cli.models.tiny import create_tiny_model
 
-    create_tiny_model(tmp_path / "m", size="tiny")
+    create_tiny_model(tmp_path / "m", size="tiny" if case == "head16" else "tiny64")
+    if case == "unknown_arch":
+        cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+        cfg["architectures"] = ["QevolveUnknownForCausalLM"]
+        (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "v.parquet"
     res = run_qevolve("rollout", "--env", "textcraft", "--policy", tmp_path / "m", "--backend", "vllm",
                       "--max-tasks", "1", "--out", out, "-q")
     assert res.returncode == 2, res.stderr[-3000:]
-    lines = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "vLLM cannot load the model" in lines[0], res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --policy") and "vLLM cannot load the model" in lines[0] \
+        and needle in lines[0], res.stderr[-3000:]
     assert not out.exists()
 
 

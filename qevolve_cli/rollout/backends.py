@@ -455,8 +455,18 @@ class HFBackend(Backend):
 
 
 def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else type(e).__name__
+    """One line out of an engine's exception: the last line of the message (a remote traceback ends
+    with it), or the first error of a pydantic validation error, without the long lists vLLM appends."""
+    import re
+
+    lines = [ln.strip() for ln in str(e).strip().splitlines()
+             if ln.strip() and not ln.strip().startswith("For further information")]
+    if not lines:
+        return type(e).__name__
+    msg = lines[1] if len(lines) > 1 and re.match(r"\d+ validation errors? for", lines[0]) else lines[-1]
+    msg = re.sub(r"\s*\[type=.*$", "", re.sub(r"^Value error, ", "", msg))
+    msg = msg.split(". Supported architectures:")[0]
+    return msg if len(msg) <= 300 else msg[:300] + " ..."
 
 
 def vllm_cpu_defaults() -> None:
@@ -471,11 +481,16 @@ def vllm_cpu_defaults() -> None:
 
 def vllm_quiet_logging() -> None:
     """vLLM logs INFO lines to stdout by default: results (``--json``) stay alone on stdout, vLLM's own
-    messages go to stderr and only from WARNING up (override with VLLM_LOGGING_LEVEL/STREAM)."""
+    messages go to stderr and only errors (on CPU its warnings repeat on every call, e.g. about
+    thread binding); override with VLLM_LOGGING_LEVEL / VLLM_LOGGING_STREAM."""
+    import logging
     import os
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # messages logged while vllm is being imported, before it configures its handler, go through
+    # logging's last-resort handler (WARNING): the level is set on the package logger up front
+    logging.getLogger("vllm").setLevel(level.upper())
 
 
 def _cuda_available() -> bool:

@@ -87,3 +87,20 @@ def test_uncached_hub_id_offline_is_one_line(hf_cache, tmp_path, argv, option) -
     assert "not in the Hugging Face cache" in lines[0] and "hf download nobody/" in lines[0]
     assert not any(p.name.startswith(("o.parquet", "p", "c", "r", "l.parquet")) for p in tmp_path.iterdir()
                    if p.name != "hf_home")
+
+
+def test_openai_backend_sends_the_hub_id_as_model(hf_cache, tmp_path) -> None:
+    """With --backend openai a cached Hub id is still the served model's name (the cache only gives the
+    tokenizer for prompt lengths); an uncached one is passed through unchanged."""
+    from tests.test_rollout import _ChatServer
+
+    server = _ChatServer(hf_cache)
+    try:
+        for name in ("qevolve-test/tiny", "someone/served-only"):
+            out = tmp_path / f"{name.split('/')[0]}.parquet"
+            run_qevolve("rollout", "--env", "textcraft", "--policy", name, "--backend", "openai", "--base-url",
+                        server.url, "--split", "train", "--max-tasks", "1", "--n-per-task", "1", "--max-steps", "1",
+                        "--max-new-tokens", "8", "--workers", "1", "--out", out, "-q", check=True)
+            assert server.requests[-1]["model"] == name
+    finally:
+        server.close()

@@ -105,6 +105,8 @@ def register(app: typer.Typer) -> None:
 
             pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
             adp = resolve_model(adapter, "--adapter")
+            if cfg.backend == "openai" and pol != policy and not adp and not cfg.served_model:
+                cfg = cfg.replace(served_model=policy)  # the server knows the model by its Hub id
             sigterm_as_interrupt()
             with ProgressView(f"eval {cfg.env}/{cfg.split}", quiet) as view:
                 m = run_eval(cfg, pol, dest, adapter=adp, critic=critic, resume=resume, on_progress=view)

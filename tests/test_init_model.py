@@ -127,3 +127,24 @@ def test_cli_init_model_tiny_tc_textcraft_vocab(tmp_path, tiny_model_dir):
     assert len(tc(" acacia", add_special_tokens=False)["input_ids"]) == 1
     ids = tc(line, add_special_tokens=False)["input_ids"]
     assert tc.decode(ids) == line
+
+
+def test_vllm_sizes_have_head_size_64(tmp_path, tiny_model_dir):
+    """tiny64 = tiny's width, layers and tokenizer with one attention head of 64 (vLLM's kernels take 64/128,
+    not tiny's 16): parameters within 5 % of tiny; small has heads of 64 too; the CLI lists them."""
+    from transformers import AutoConfig
+
+    from qevolve_cli.models.tiny import _SIZES, VLLM_SIZES, create_tiny_model
+
+    create_tiny_model(tmp_path / "t64", size="tiny64")
+    c64, c16 = AutoConfig.from_pretrained(tmp_path / "t64"), AutoConfig.from_pretrained(tiny_model_dir)
+    assert c64.hidden_size // c64.num_attention_heads == 64 and c16.hidden_size // c16.num_attention_heads == 16
+    assert (c64.hidden_size, c64.num_hidden_layers, c64.intermediate_size, c64.vocab_size) == (
+        c16.hidden_size, c16.num_hidden_layers, c16.intermediate_size, c16.vocab_size)
+    n64 = json.loads((tmp_path / "t64" / "qevolve_model.json").read_text())["parameters"]
+    n16 = json.loads((tiny_model_dir / "qevolve_model.json").read_text())["parameters"]
+    assert n16 < n64 < 1.05 * n16
+    for size in VLLM_SIZES:
+        sz = _SIZES[size]
+        assert sz.hidden // sz.heads in (64, 128) and sz.heads % sz.kv_heads == 0, size
+    assert "tiny64" in run_qevolve("init-model", "--help", check=True).stdout

@@ -82,6 +82,9 @@ def register(app: typer.Typer) -> None:
             overrides = {**parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
             cfg = load_critic_config(config, preset, overrides)
             from qevolve_cli.critic.trainer import train_critic
+            from qevolve_cli.models.hub import resolve_model
+
+            base = Path(resolve_model(model, "--model"))
             from qevolve_cli.training import is_main_process
 
             with progress(quiet or not is_main_process()) as bar:
@@ -96,7 +99,7 @@ def register(app: typer.Typer) -> None:
 
                     return cb
 
-                summary = train_critic(cfg, data, model, out, progress=factory, resume=resume)
+                summary = train_critic(cfg, data, base, out, progress=factory, resume=resume)
             if not is_main_process():  # ranks > 0 of a multi-process (DeepSpeed) launch stay silent
                 return
             if summary.get("warning"):

@@ -112,9 +112,15 @@ def register(app: typer.Typer) -> None:
                 "candidates": candidates,
             })
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}.parquet")
+            from qevolve_cli.models.hub import resolve_model
+
+            pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
+            adp = resolve_model(adapter, "--adapter")
+            if cfg.backend == "openai" and pol != policy and not adp and not cfg.served_model:
+                cfg = cfg.replace(served_model=policy)  # the server knows the model by its Hub id
             sigterm_as_interrupt()
             with ProgressView(f"eval {cfg.env}/{cfg.split}", quiet) as view:
-                m = run_eval(cfg, policy, dest, adapter=adapter, critic=critic, best_of=best_of, resume=resume,
+                m = run_eval(cfg, pol, dest, adapter=adp, critic=critic, best_of=best_of, resume=resume,
                              on_progress=view)
             write_json(dest.with_name(dest.name + ".metrics.json"), m)
             if json_out:

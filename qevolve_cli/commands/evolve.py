@@ -51,9 +51,13 @@ def register(app: typer.Typer) -> None:
                          "log_to": log_to.split(",") if log_to else None}
             if model:  # an explicit model replaces the preset's tiny model
                 overrides["init_model"] = None
+            from qevolve_cli.models.hub import resolve_model
+
             cfg = resolve(env, preset, config, overrides)
             if model:
-                cfg = cfg.replace(model=model)
+                cfg = cfg.replace(model=resolve_model(model, "--model"))
+            if cfg.start_policy:
+                cfg = cfg.replace(start_policy=resolve_model(cfg.start_policy, "--policy"))
             rd = run_dir or Path("runs") / f"{env}-{preset}"
             rep = run_evolve(cfg, rd, resume=resume, quiet=quiet)
             if json_out:

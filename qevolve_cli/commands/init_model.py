@@ -21,6 +21,7 @@ or be empty; it is written atomically.
 Examples:
   qevolve init-model --out models/tiny
   qevolve init-model --out models/small-qwen --arch qwen2 --size small --seed 1 --json
+  qevolve init-model --out models/tiny64 --size tiny64      # loads in vLLM (head size 64)
 """
 
 
@@ -30,8 +31,9 @@ def register(app: typer.Typer) -> None:
         out: OutOpt,
         arch: Annotated[str, typer.Option("--arch", help="Architecture: llama or qwen2.")] = "llama",
         size: Annotated[str, typer.Option("--size", help=(
-            "tiny (hidden 64, 2 layers), small (hidden 256, 4 layers) or tiny-tc (tiny whose tokenizer also "
-            "learned the TextCraft recipe vocabulary: the size for BC on TextCraft)."))] = "tiny",
+            "tiny (hidden 64, 2 layers, 4 heads of 16), small (hidden 256, 4 layers, 4 heads of 64), tiny64 (tiny "
+            "with one head of 64: vLLM loads it) or tiny-tc / tiny64-tc (tokenizer also learned the TextCraft "
+            "recipe vocabulary: the size for BC on TextCraft). vLLM takes tiny64, tiny64-tc and small."))] = "tiny",
         seed: SeedOpt = 0,
         json_out: JsonOpt = False,
     ) -> None:

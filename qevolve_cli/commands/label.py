@@ -46,8 +46,12 @@ def register(app: typer.Typer) -> None:
                 LabelConfig, config, section="label" if config and _has_section(config, "label") else None,
                 overrides={"advantage": advantage, "retrospective": retrospective, "max_length": max_length},
             )
+            from qevolve_cli.models.hub import resolve_model
+
+            tok = resolve_model(tokenizer, "--tokenizer")
+            tok = Path(tok) if tok is not None else None
             # an explicit --advantage asks for advantages: without critic values that is an error
-            summary = label_tables(inputs, out, cfg, tokenizer=tokenizer, critic=critic,
+            summary = label_tables(inputs, out, cfg, tokenizer=tok, critic=critic,
                                    require_advantage=advantage is not None)
             if json_out:
                 emit_json(summary)

@@ -78,10 +78,12 @@ def register(app: typer.Typer) -> None:
             flags = {"objective": objective, "epochs": epochs, "lr": lr, "lora": lora, "seed": seed}
             overrides = {**parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
             cfg = load_policy_config(config, preset, overrides)
+            from qevolve_cli.models.hub import resolve_model
             from qevolve_cli.policy.trainer import train_policy
             from qevolve_cli.training import is_main_process
 
-            metrics = train_policy(cfg, data[0] if len(data) == 1 else data, model, out, ref=ref, quiet=quiet)
+            metrics = train_policy(cfg, data[0] if len(data) == 1 else data, Path(resolve_model(model, "--model")), out,
+                                   ref=Path(resolve_model(ref, "--ref")) if ref is not None else None, quiet=quiet)
             if not is_main_process():  # ranks > 0 of a multi-process (DeepSpeed) launch stay silent
                 return
             if json_out:

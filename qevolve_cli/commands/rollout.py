@@ -135,10 +135,17 @@ def register(app: typer.Typer) -> None:
                 "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
             })
+            from qevolve_cli.models.hub import resolve_model
+
+            # a Hub id is resolved through the HF cache; with --backend openai --policy may only name the served model
+            pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
+            adp = resolve_model(adapter, "--adapter")
+            if cfg.backend == "openai" and pol != policy and not adp and not cfg.served_model:
+                cfg = cfg.replace(served_model=policy)  # the server knows the model by its Hub id
             sigterm_as_interrupt()
             try:
                 with ProgressView(f"rollout {cfg.env}/{cfg.split}", quiet) as view:
-                    res = run_rollout(cfg, policy, out, adapter=adapter, resume=resume, on_progress=view)
+                    res = run_rollout(cfg, pol, out, adapter=adp, resume=resume, on_progress=view)
             except KeyboardInterrupt:
                 from qevolve_cli.rollout.loop import journal_path
 

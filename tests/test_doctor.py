@@ -1,0 +1,52 @@
+"""`qevolve doctor`: versions/devices/backends, and `--smoke --json` naming each check with pass/skip/fail
+and the reason (real runs on a tiny model: hf generation, critic and BPPO steps, DeepSpeed ZeRO-2 on 2 CPU
+ranks; the vLLM check runs in the vLLM venv, tests/test_vllm.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.conftest import run_qevolve
+
+CHECKS = ["hf_generation", "vllm_engine_lora", "critic_step", "bppo_step", "deepspeed_zero2_2ranks"]
+
+
+def test_doctor_reports_versions_devices_backends() -> None:
+    r = run_qevolve("doctor", "--json", check=True)
+    d = json.loads(r.stdout)
+    assert d["versions"]["torch"] and d["versions"]["transformers"] and d["versions"]["qevolve"]
+    assert d["cuda"]["available"] in (True, False) and isinstance(d["cuda"]["devices"], list)
+    assert d["backends"]["hf"] == "ok"
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    assert (d["backends"]["vllm"] == "ok") == has_vllm
+    assert d["checks"] == []  # no --smoke: nothing is run
+    table = run_qevolve("doctor", check=True).stdout
+    assert "backend vllm" in table and "transformers" in table
+
+
+@pytest.mark.slow
+def test_doctor_smoke_json_names_every_check() -> None:
+    r = run_qevolve("doctor", "--smoke", "--json", timeout=900)
+    d = json.loads(r.stdout)
+    got = {c["check"]: c for c in d["checks"]}
+    assert list(got) == CHECKS
+    assert all(c["status"] in ("pass", "skip") and c["detail"] for c in d["checks"]), d["checks"]
+    assert r.returncode == 0, r.stderr
+    assert got["hf_generation"]["status"] == "pass"
+    assert got["critic_step"]["status"] == "pass" and "loss" in got["critic_step"]["detail"]
+    assert got["bppo_step"]["status"] == "pass" and "action NLL" in got["bppo_step"]["detail"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert got["deepspeed_zero2_2ranks"]["status"] == "pass"
+    if importlib.util.find_spec("vllm") is None:
+        assert got["vllm_engine_lora"]["status"] == "skip" and "make vllm-venv" in got["vllm_engine_lora"]["detail"]
+    # progress on stderr, one line per check
+    assert sum(ln.split(":")[0] in CHECKS for ln in r.stderr.splitlines()) == len(CHECKS)
+
+
+def test_doctor_unknown_check_is_one_line() -> None:
+    r = run_qevolve("doctor", "--only", "hf_generation,warp_drive")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--only: unknown check 'warp_drive'" in lines[0]

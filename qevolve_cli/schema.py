@@ -1,4 +1,4 @@
-"""Trajectory tables (SPEC §3): one Parquet table, one row per step.
+"""Trajectory tables (docs/tables.md): one Parquet table, one row per step.
 
 The column names are fixed; tables may carry more columns (never renamed).
 ``read_table`` validates and names file, column and problem on failure;

@@ -6,7 +6,15 @@ from typing import Annotated
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, run_command
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    JsonOpt,
+    QuietOpt,
+    emit_json,
+    flag_names,
+    naming_flags,
+    run_command,
+)
 
 HELP = """Run Q-Evolve end to end: BC warm-up on expert data, then per iteration rollout -> label ->
 critic -> label --critic -> policy (bppo) -> eval, into RUN_DIR (resumable).
@@ -51,7 +59,9 @@ def register(app: typer.Typer) -> None:
                          "log_to": log_to.split(",") if log_to else None}
             if model:  # an explicit model replaces the preset's tiny model
                 overrides["init_model"] = None
-            cfg = resolve(env, preset, config, overrides)
+            cfg = naming_flags(lambda: resolve(env, preset, config, overrides), flag_names(
+                {k: v for k, v in overrides.items() if k != "init_model"},
+                rename={"start_policy": "--policy", "expert_data": "--expert"}))
             if model:
                 cfg = cfg.replace(model=model)
             rd = run_dir or Path("runs") / f"{env}-{preset}"

@@ -32,7 +32,7 @@ API (used by the batched rollout loop, ``collect_expert`` and evaluation)::
   does not answer within ``timeout_s`` for one env call (reset gets ``reset_timeout_s``), the
   worker process is killed and restarted, and **every live episode on it** gets
   ``Failure(error="worker crashed: ..." | "timeout: ...")`` — the caller records that
-  trajectory with the reason in the ``error`` column (SPEC §3) and goes on. Episodes on the
+  trajectory with the reason in the ``error`` column (docs/tables.md) and goes on. Episodes on the
   other workers are untouched. An exception raised by the environment itself inside
   reset/step also gives a ``Failure`` for that key only (the worker survives).
 * ``pool.stats`` counts restarts / failures; ``pool.close()`` (or the context manager)

@@ -442,10 +442,27 @@ def run_rollout(
     model across calls (the evolve loop, benchmarks). ``resume=True`` continues an interrupted run from its journal (and returns
     at once, reading ``out``, when it is already complete). Returns the
     table (validated), the stats and the output path.
+
+    Holds an exclusive lock on ``out`` and its journal throughout (``qevolve_cli/lock.py``): a
+    second process on the same output fails at once, naming this one's PID.
     """
-    from qevolve_cli.envs.splits import list_tasks
+    from qevolve_cli.lock import exclusive, output_lock
 
     out = Path(out)
+    if out.is_dir():
+        raise TableError(out, None, "is a directory, expected a Parquet file path")
+    with exclusive(output_lock(out), out):
+        return _run_rollout(cfg, policy, out, adapter=adapter, resume=resume, source=source, temperature=temperature,
+                            backend=backend, chooser=chooser, on_progress=on_progress, tasks=tasks,
+                            producer=producer, pool=pool)
+
+
+def _run_rollout(cfg: RolloutConfig, policy: str | Path, out: Path, *, adapter: str | Path | None, resume: bool,
+                 source: str, temperature: float | None, backend: Backend | None, chooser: Chooser | None,
+                 on_progress: ProgressFn | None, tasks: Sequence[Any] | None, producer: str,
+                 pool: Any) -> RolloutResult:
+    from qevolve_cli.envs.splits import list_tasks
+
     jpath = journal_path(out)
     if resume and out.exists() and not jpath.exists():
         table = schema.read_table(out)

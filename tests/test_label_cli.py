@@ -196,3 +196,26 @@ def test_advantage_kind_without_values(tmp_path, buffers):
     r = runner.invoke(app, ["label", str(ps), "--out", str(tmp_path / "b.parquet"), "--config", str(cfg)])
     assert r.exit_code == 0, r.output
     assert "advantage" not in schema.read_table(tmp_path / "b.parquet").columns
+
+
+def test_label_imports_stay_light(tmp_path, buffers):
+    """`qevolve label` (no --tokenizer/--critic) needs neither pandas nor pyarrow.compute nor torch: their
+    imports were 0.6 s of a 1M-step label run (benchmarks/bench_core.py, compact table)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, qevolve_env
+
+    expert, self_play = buffers
+    code = ("import sys; from qevolve_cli.cli import app\n"
+            "try: app(sys.argv[1:])\n"
+            "except SystemExit as e: assert e.code in (0, None), e.code\n"
+            "print(sorted(m for m in ('pandas', 'pyarrow.compute', 'pyarrow.parquet', 'torch', 'transformers')"
+            " if m in sys.modules))")
+    out = tmp_path / "l.parquet"
+    p = subprocess.run([sys.executable, "-c", code, "label", str(expert), str(self_play), "--out", str(out), "--json"],
+                       cwd=ROOT, env=qevolve_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
+    df = pl.read_parquet(out)
+    assert {"reward_aux", "aux_kind", "success", "weight"} <= set(df.columns)

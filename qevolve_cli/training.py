@@ -457,6 +457,13 @@ def init_deepspeed(device: str = "auto"):
 # DeepSpeed engines of this process, torn down (with the process group) before the interpreter exits
 _ENGINES: list[Any] = []
 _SHUTDOWN_REGISTERED = False
+_COMPLETED = False  # the command finished without an error (commands.common.run_command sets it)
+
+
+def mark_completed() -> None:
+    """The command's work is done on this rank: at exit, wait for the other ranks before tearing down."""
+    global _COMPLETED
+    _COMPLETED = True
 
 
 def _register_distributed_shutdown() -> None:
@@ -477,9 +484,9 @@ def shutdown_distributed() -> None:
     rank died there with SIGABRT: ``terminate called without an active exception``, a C++ thread
     destroyed while still joinable. torchrun then killed the other rank. The teardown order is
     now fixed: release the engines (``engine.destroy()``: ZeRO-3 hooks and prefetches), wait for
-    every rank (``barrier``: no rank closes its connections while a peer still talks to it), then
-    ``destroy_process_group()`` (joins gloo's threads). Errors here are ignored: a peer that
-    already died makes the barrier fail at once, and then there is nothing left to protect.
+    every rank (``barrier``, after a completed command only: no rank closes its connections while
+    a peer still talks to it), then ``destroy_process_group()`` (joins gloo's threads). Errors
+    here are ignored: a peer that already died makes the barrier fail at once.
     """
     import sys
 
@@ -493,7 +500,10 @@ def shutdown_distributed() -> None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
     try:
-        if dist.get_world_size() > 1:
+        # only after a completed command: a rank that failed may have left its peers inside another
+        # collective, and a barrier would then wait for the process group's timeout (30 min) instead
+        # of letting them see the closed connection at once, as before
+        if _COMPLETED and dist.get_world_size() > 1:
             dist.barrier()
     except Exception:
         pass

@@ -46,7 +46,11 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def run_command(fn: Callable[[], R]) -> R:
     """Run a command body, mapping user errors to one-line messages and exit 2."""
     try:
-        return fn()
+        result = fn()
+        training = sys.modules.get("qevolve_cli.training")
+        if training is not None:  # a distributed rank: its work is done, the exit may wait for its peers
+            training.mark_completed()
+        return result
     except QevolveError as e:
         raise fail(str(e)) from None
     except FileNotFoundError as e:

@@ -1,5 +1,5 @@
 # qevolve — all set-up lives here. A fresh machine needs exactly:
-#   make demo    # install everything, then run the main job on the embedded default
+#   make demo    # install everything (and the `qevolve` command), then run the main job on the embedded default
 #   make test    # install everything, then run the whole test suite
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -19,7 +19,10 @@ VLLM_VENV ?= $(CACHE)/vllm-venv
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_HASH := $(shell cat requirements/vllm.txt scripts/vllm_venv.py | sha256sum | cut -c1-16)
 VLLM_STAMP := $(VLLM_VENV)/.deps-$(VLLM_HASH)
+USER_PATH := $(PATH)
 export PATH := $(VENV)/bin:$(HOME)/.cargo/bin:$(PATH)
+# where `make install` links the `qevolve` command (on the PATH of most login shells)
+BINDIR ?= $(HOME)/.local/bin
 # compiled Rust dependencies are cached across clones too
 export CARGO_TARGET_DIR ?= $(CACHE)/target
 export HF_HUB_OFFLINE := 1
@@ -57,9 +60,15 @@ $(VLLM_STAMP):  # keyed on the hash of requirements/vllm.txt + scripts/vllm_venv
 
 vllm-venv: $(VLLM_STAMP)
 
-# the `qevolve` console script in the venv (editable install of this checkout)
+# the `qevolve` command: an editable install of this checkout into the venv (console script
+# $(VENV)/bin/qevolve), linked into $(BINDIR) so that a new shell finds it
 install: setup
 	VIRTUAL_ENV=$(VENV) $(PY) -m maturin develop --release -q
+	@mkdir -p $(BINDIR) && ln -sf $(VENV)/bin/qevolve $(BINDIR)/qevolve
+	@$(BINDIR)/qevolve --version >/dev/null
+	@echo "installed: $(BINDIR)/qevolve -> $(VENV)/bin/qevolve" >&2
+	@case ":$(USER_PATH):" in *":$(BINDIR):"*) ;; \
+	  *) echo "$(BINDIR) is not on your PATH: add  export PATH=\"$(BINDIR):\$$PATH\"  to your shell profile" >&2 ;; esac
 
 test: setup test-rust test-py test-vllm
 
@@ -76,9 +85,10 @@ test-vllm: $(VLLM_STAMP) $(EXT_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_ENABLE_V1_MULTIPROCESSING=$${VLLM_ENABLE_V1_MULTIPROCESSING:-0} \
 	  $(VLLM_PY) -m pytest -q tests/test_vllm.py -m vllm
 
-demo: setup
+demo: install
 	rm -rf runs/demo
 	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo   # ends with the report
+	@echo "the same from your shell: qevolve report runs/demo  (qevolve: $(BINDIR)/qevolve)" >&2
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done

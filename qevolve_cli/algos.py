@@ -215,7 +215,7 @@ def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Te
 
 
 # ---- critic losses ----
-# Weighted IQL (SPEC §1.4, paper Appendix "Critic Model Structure"). Tensors of
+# Weighted IQL (docs/critic.md, paper Appendix "Critic Model Structure"). Tensors of
 # per-step quantities have shape (B, K): B trajectories x K sampled steps
 # (right-padded); ``step_mask`` is 1 on real steps. Padded entries may hold
 # anything (even NaN): they are selected away with ``torch.where`` and never

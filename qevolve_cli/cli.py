@@ -12,7 +12,7 @@ import typer
 HELP = """Q-Evolve: self-evolving LLM agents for long-horizon text environments.
 
 \b
-The loop (SPEC §1): BC warm-up, then K times: rollout, label, critic, label --critic, policy (bppo).
+The loop (docs/evolve.md): BC warm-up, then K times: rollout, label, critic, label --critic, policy (bppo).
 \b
 Examples:
   qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
@@ -58,15 +58,21 @@ for _mod in COMMAND_MODULES:
     _m.register(app)
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    # an eager option callback runs while the arguments are parsed, before Click asks for a command
+    if value:
         from qevolve_cli import __version__
 
-        typer.echo(__version__)
+        typer.echo(f"qevolve {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=_print_version, expose_value=True),
+) -> None:
+    del version  # handled by _print_version
 
 
 def main() -> None:

@@ -27,17 +27,24 @@ def arrow(s: pl.Series) -> pa.Array:
     return a
 
 
+# Results of the core are imported through the Arrow PyCapsule protocol by Polars, never with
+# ``pyarrow.array(...)`` or ``pyarrow.Array.to_numpy()``: both import pandas (0.4 s of start-up).
 def series(name: str, exported: Any) -> pl.Series:
-    return pl.Series(name, pa.array(exported))
+    return pl.Series(exported).alias(name)
+
+
+def _pa(exported: Any) -> pa.Array:
+    """A core result as a reusable pyarrow array (an export can be consumed only once)."""
+    return arrow(pl.Series(exported))
 
 
 def offsets(df: pl.DataFrame) -> pa.Array:
     """Trajectory offsets (int64, n_traj + 1) of a table whose trajectories are contiguous."""
-    return pa.array(_core.offsets_from_ids(arrow(df["traj_id"])))
+    return _pa(_core.offsets_from_ids(arrow(df["traj_id"])))
 
 
 def trajectory_success(offs: pa.Array, reward_env: pl.Series) -> pa.Array:
-    return pa.array(_core.trajectory_success(offs, arrow(reward_env.cast(pl.Float32))))
+    return _pa(_core.trajectory_success(offs, arrow(reward_env.cast(pl.Float32))))
 
 
 def step_weights(offs: pa.Array, success: pa.Array, n_rows: int, temporal: bool = True,
@@ -45,13 +52,28 @@ def step_weights(offs: pa.Array, success: pa.Array, n_rows: int, temporal: bool 
     return series("weight", _core.step_weights(offs, success, n_rows, temporal, success_term))
 
 
-def broadcast(offs: pa.Array, per_traj: pa.Array, name: str) -> pl.Series:
-    """Repeat one value per trajectory over its rows."""
-    o = offs.to_numpy()
-    import numpy as np
+class _ArrowRef:
+    """Hands a pyarrow array to Polars through the PyCapsule protocol.
 
-    lengths = np.diff(o)
-    return pl.Series(name, np.repeat(per_traj.to_numpy(zero_copy_only=False), lengths))
+    ``pl.Series(<pyarrow.Array>)`` takes another path that imports ``pyarrow.compute`` (0.2 s).
+    """
+
+    def __init__(self, a: pa.Array):
+        self.a = a
+
+    def __arrow_c_array__(self, requested_schema: Any = None) -> Any:
+        return self.a.__arrow_c_array__(requested_schema)
+
+
+def to_polars(a: pa.Array, name: str = "") -> pl.Series:
+    return pl.Series(_ArrowRef(a)).alias(name)
+
+
+def broadcast(offs: pa.Array, per_traj: pa.Array, name: str) -> pl.Series:
+    """Repeat one value per trajectory over its rows (in Polars: no pandas, no pyarrow.compute)."""
+    lengths = to_polars(offs).diff().slice(1)
+    idx = pl.int_range(0, lengths.len(), dtype=pl.UInt32, eager=True).repeat_by(lengths).explode()
+    return to_polars(per_traj, name).gather(idx)
 
 
 def label_steps(df: pl.DataFrame, rules: Sequence[dict[str, Any]], env_code: pl.Series) -> tuple[pl.Series, pl.Series]:

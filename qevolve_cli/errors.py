@@ -13,7 +13,7 @@ class QevolveError(Exception):
 
 
 class TableError(QevolveError):
-    """A trajectory table is unreadable or violates the schema (SPEC §3)."""
+    """A trajectory table is unreadable or violates the schema (docs/tables.md)."""
 
     def __init__(self, path: str | Path | None, column: str | None, problem: str):
         self.path = str(path) if path is not None else "<table>"
@@ -27,6 +27,7 @@ class ConfigError(QevolveError):
     """A configuration file or option is invalid."""
 
     def __init__(self, source: str | Path | None, field: str | None, problem: str):
+        self.source, self.field, self.problem = source, field, problem
         where = str(source) if source is not None else "config"
         if field:
             where += f": field '{field}'"

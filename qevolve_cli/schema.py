@@ -1,4 +1,4 @@
-"""Trajectory tables (SPEC §3): one Parquet table, one row per step.
+"""Trajectory tables (docs/tables.md): one Parquet table, one row per step.
 
 The column names are fixed; tables may carry more columns (never renamed).
 ``read_table`` validates and names file, column and problem on failure;
@@ -164,6 +164,15 @@ def validate(df: pl.DataFrame, path: str | Path | None = None, require: Iterable
             raise TableError(path, "aux_kind", f"unknown value {bad_kind['aux_kind'][0]!r}")
     if (df["step"] < 0).any():
         raise TableError(path, "step", "negative step")
+    if is_step_sorted(df):
+        # every trajectory's rows adjacent with steps 0..n-1 (all tables qevolve writes): unique and
+        # contiguous steps hold; only `done` before the last step remains to check, without a group-by
+        tid = df["traj_id"]
+        last = tid.ne_missing(tid.shift(-1))
+        early = df["done"] & ~last
+        if early.any():
+            raise TableError(path, "done", f"done=true before the last step in trajectory {tid.filter(early)[0]!r}")
+        return df
     stats = df.group_by("traj_id").agg(
         pl.len().alias("n"),
         pl.col("step").n_unique().alias("nu"),
@@ -208,14 +217,15 @@ def read_table(path: str | Path, require: Iterable[str] = (), validate_rows: boo
 
 
 def schema_version(path: str | Path) -> str | None:
-    import pyarrow.parquet as pq
+    return parquet_metadata(path).get(META_VERSION_KEY.decode())
 
+
+def parquet_metadata(path: str | Path) -> dict[str, str]:
+    """The key-value metadata of a Parquet file ({} when unreadable); no pyarrow.parquet import."""
     try:
-        md = pq.read_schema(path).metadata or {}
+        return dict(pl.read_parquet_metadata(path))
     except Exception:
-        return None
-    v = md.get(META_VERSION_KEY)
-    return v.decode() if v is not None else None
+        return {}
 
 
 def order_columns(df: pl.DataFrame) -> pl.DataFrame:
@@ -226,20 +236,22 @@ def order_columns(df: pl.DataFrame) -> pl.DataFrame:
 
 def write_table(df: pl.DataFrame, path: str | Path, producer: str = "qevolve", validate_rows: bool = True) -> Path:
     """Validate and write atomically (temp file + fsync + rename), stamping the schema version."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     if validate_rows:
         df = validate(df, path)
     else:
         df = conform(df, path)
-    table = order_columns(df).to_arrow()
-    md = dict(table.schema.metadata or {})
-    md[META_VERSION_KEY] = SCHEMA_VERSION.encode()
-    md[META_PRODUCER_KEY] = producer.encode()
-    table = table.replace_schema_metadata(md)
+    df = order_columns(df)
+    md = {META_VERSION_KEY.decode(): SCHEMA_VERSION, META_PRODUCER_KEY.decode(): producer}
+    # the version goes into the Parquet key-value metadata and into the Arrow schema stored in
+    # the file (what pyarrow.parquet.read_schema(...).metadata and pandas show). Strings are
+    # declared as Polars' own string views (pyarrow >= 16 reads them): declaring large strings
+    # makes Polars convert every string column first (1.3 s -> 0.7 s on 1M SciWorld-shaped steps).
+    arrow_schema = df.head(0).to_arrow(compat_level=pl.CompatLevel.newest()).schema.with_metadata(md)
     with atomic_path(path, suffix=".parquet") as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+        # Polars' own writer: multi-threaded, and no conversion of its string views to Arrow
+        # large strings first (about 5x faster than pyarrow.parquet on 1M steps of short strings)
+        df.write_parquet(tmp, compression="zstd", metadata=md, arrow_schema=arrow_schema)
     return path
 
 
@@ -248,8 +260,27 @@ def empty_frame(columns: Sequence[str] | None = None) -> pl.DataFrame:
     return pl.DataFrame(schema={c: ALL_COLUMNS[c] for c in cols})
 
 
+def is_step_sorted(df: pl.DataFrame) -> bool:
+    """True when every trajectory's rows are adjacent and in step order 0, 1, 2, ... (what qevolve writes)."""
+    if df.height == 0:
+        return True
+    tid, step = df["traj_id"], df["step"]
+    new = tid.ne_missing(tid.shift(1))  # first row of each run of equal ids
+    if tid.null_count() or step.null_count():
+        return False
+    ok = (((step == 0) == new) & (new | (step.diff().fill_null(0) == 1))).all()
+    # no id starts two runs (hashing only the run starts: ~n/14 strings, not n)
+    return bool(ok) and tid.filter(new).is_unique().all()
+
+
 def sort_steps(df: pl.DataFrame) -> pl.DataFrame:
-    """Rows of each trajectory adjacent and in step order (stable in trajectory order of first appearance)."""
+    """Rows of each trajectory adjacent and in step order (stable in trajectory order of first appearance).
+
+    A table already in that order (every table qevolve writes) is returned as is, without the
+    join and sort (a third of a second per million steps).
+    """
+    if is_step_sorted(df):
+        return df
     first = df.select("traj_id").with_row_index("_r").group_by("traj_id").agg(pl.col("_r").min().alias("_first"))
     return df.join(first, on="traj_id", how="left").sort(["_first", "step"]).drop("_first")
 

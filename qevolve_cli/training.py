@@ -450,7 +450,67 @@ def init_deepspeed(device: str = "auto"):
         if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
             h.setStream(sys.stderr)
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), auto_mpi_discovery=False)
+    _register_distributed_shutdown()
     return deepspeed, dev
+
+
+# DeepSpeed engines of this process, torn down (with the process group) before the interpreter exits
+_ENGINES: list[Any] = []
+_SHUTDOWN_REGISTERED = False
+_COMPLETED = False  # the command finished without an error (commands.common.run_command sets it)
+
+
+def mark_completed() -> None:
+    """The command's work is done on this rank: at exit, wait for the other ranks before tearing down."""
+    global _COMPLETED
+    _COMPLETED = True
+
+
+def _register_distributed_shutdown() -> None:
+    global _SHUTDOWN_REGISTERED
+    if not _SHUTDOWN_REGISTERED:
+        import atexit
+
+        atexit.register(shutdown_distributed)
+        _SHUTDOWN_REGISTERED = True
+
+
+def shutdown_distributed() -> None:
+    """Tear down DeepSpeed and the process group while the interpreter is still whole (atexit).
+
+    Left to interpreter finalization, the gloo process group and the engines' ZeRO-3 state were
+    destroyed in no fixed order, with each rank's collective threads still attached and, under
+    ZeRO-3, a parameter prefetch still in flight while the other rank was saving. Now and then a
+    rank died there with SIGABRT: ``terminate called without an active exception``, a C++ thread
+    destroyed while still joinable. torchrun then killed the other rank. The teardown order is
+    now fixed: release the engines (``engine.destroy()``: ZeRO-3 hooks and prefetches), wait for
+    every rank (``barrier``, after a completed command only: no rank closes its connections while
+    a peer still talks to it), then ``destroy_process_group()`` (joins gloo's threads). Errors
+    here are ignored: a peer that already died makes the barrier fail at once.
+    """
+    import sys
+
+    while _ENGINES:
+        engine = _ENGINES.pop()
+        try:
+            engine.destroy()
+        except Exception:
+            pass
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        # only after a completed command: a rank that failed may have left its peers inside another
+        # collective, and a barrier would then wait for the process group's timeout (30 min) instead
+        # of letting them see the closed connection at once, as before
+        if _COMPLETED and dist.get_world_size() > 1:
+            dist.barrier()
+    except Exception:
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def model_hidden_size(model) -> int | None:
@@ -506,6 +566,7 @@ class DeepSpeedBackend(TorchBackend):
         except (AssertionError, ValueError) as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise QevolveError(f"{self.config_path}: DeepSpeed rejected the config ({msg})") from None
+        _ENGINES.append(engine)  # destroyed by shutdown_distributed() at exit
         return engine, ds_opt
 
     def prepare(self, model, optimizer, scheduler):

@@ -146,3 +146,70 @@ def test_memo_cleared_by_another_env_mid_game_changes_nothing():
     finally:
         a.close()
         b.close()
+
+
+_TRACE_SCRIPT = r"""
+import json, sys
+OUT = sys.argv[1]  # fast_downward's translator rewrites sys.argv
+from qevolve_cli.envs import act, list_tasks, make_env
+from qevolve_cli.envs.expert import expert_output
+train, unseen = list_tasks("alfworld", "train"), list_tasks("alfworld", "test_unseen")
+plans = {}
+
+def trace(env, task, with_expert):
+    out = [env.reset(task, with_expert=with_expert, max_steps=200), env.instruction]
+    if with_expert:
+        plans[task.task_id] = env.expert_plan()
+        out.append(plans[task.task_id])
+    for i, cmd in enumerate(plans[task.task_id]):
+        if i % 3 == 1:  # invalid and no-op commands in between
+            out += [list(env.step(c)[:3]) for c in ("go to narnia", "look", "inventory")]
+        r = act(env, expert_output(cmd))
+        out.append([r.observation, r.reward, r.done])
+        if r.done:
+            break
+    return out
+
+env = make_env("alfworld")
+games = [(train[40], True), (train[40], False), (unseen[3], True), (train[1700], True), (train[40], False),
+         (unseen[3], False), (train[40], True)]
+res = [trace(env, t, we) for t, we in games]
+from qevolve_cli.envs import alfworld
+with open(OUT, "w") as f:
+    json.dump({"traces": res, "cache": alfworld._GAME_STATS}, f)
+"""
+
+
+@pytest.mark.slow
+def test_cached_games_play_exactly_as_fresh_loads(tmp_path):
+    """The per-worker game cache (parsed logic + PDDL translation, memoised templates) gives the
+    same observations, rewards and done flags as TextWorld's own load, for the same actions:
+    first loads, replays of a game (the n samples of a task), planner (test_unseen) and
+    gt_traj games, with and without the expert plan, invalid and no-op commands in between."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from qevolve_cli.envs.alfworld import ensure_alfworld_data
+    from tests.conftest import ROOT, qevolve_env
+
+    try:
+        data = ensure_alfworld_data()
+    except QevolveError as e:
+        pytest.skip(f"ALFWorld data unavailable: {e}")
+    out = {}
+    for cache in ("0", "32"):  # 0: textworld.start / PddlEnv as before, in a fresh process
+        env = dict(qevolve_env(), QEVOLVE_ALFWORLD_GAME_CACHE=cache, ALFWORLD_DATA=str(data))
+        path = tmp_path / f"trace_{cache}.json"
+        p = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT, str(path)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert path.exists(), p.stderr[-3000:]
+        out[cache] = json.loads(path.read_text())
+    old, new = out["0"], out["32"]
+    assert new["cache"] == {"hits": 4, "misses": 3} and old["cache"] == {"hits": 0, "misses": 0}
+    assert len(old["traces"]) == 7 and all(len(t) > 8 for t in old["traces"])
+    for a, b in zip(old["traces"], new["traces"], strict=True):
+        assert a == b
+    assert old["traces"][0][-1][1:] == [1.0, True]  # the expert wins: the games really were played
+    assert os.environ.get("QEVOLVE_ALFWORLD_GAME_CACHE") is None

@@ -131,3 +131,19 @@ def test_answers_left_unread_past_the_timeout_are_not_a_timeout(tasks):
         time.sleep(2.5)  # the caller is busy for longer than the timeout
         res = pool.wait(t)
         assert not isinstance(res["a"], Failure) and pool.stats["restarts"] == 0
+
+
+def test_a_task_goes_back_to_the_worker_that_played_it(tasks):
+    """Affinity: a new key of a task already played goes to that task's worker when it has a free
+    slot (ALFWorld keeps the game loaded there), else to the least loaded worker."""
+    a, b = tasks[0], tasks[1]
+    with EnvPool("textcraft", workers=2, envs_per_worker=2, timeout_s=20) as pool:
+        pool.reset_many([((a.task_id, 0), a), ((b.task_id, 0), b)])
+        w_a, w_b = pool.pid_of((a.task_id, 0)), pool.pid_of((b.task_id, 0))
+        assert w_a != w_b  # least loaded: one each
+        pool.release([(a.task_id, 0)])
+        # least-loaded alone would pick a's (now empty) worker; b's worker still has a free slot
+        pool.reset_many([((b.task_id, 1), b)])
+        assert pool.pid_of((b.task_id, 1)) == w_b
+        pool.reset_many([((b.task_id, 2), b)])  # b's worker is full now: the other one takes it
+        assert pool.pid_of((b.task_id, 2)) == w_a

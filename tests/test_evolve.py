@@ -104,12 +104,15 @@ def test_existing_run_needs_resume_and_same_config(smoke_run):
 
 
 def test_resume_after_kill_mid_stage(tmp_path):
-    """Kill the process while a stage runs; --resume redoes only unfinished stages and completes the run."""
+    """A second process on the run directory is refused while the first runs (run-directory lock);
+    kill the first with SIGKILL while a stage runs: the kernel frees the lock, and --resume redoes
+    only unfinished stages and completes the run."""
     run = tmp_path / "run"
     args = [sys.executable, "-m", "qevolve_cli", "evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1",
             "--run-dir", str(run)]
     proc = subprocess.Popen(args, cwd=ROOT, env=qevolve_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     killed_in = None
+    refused = None
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         mp = run / "manifest.json"
@@ -119,6 +122,17 @@ def test_resume_after_kill_mid_stage(tmp_path):
             except json.JSONDecodeError:
                 st = {}
             running = [k for k, v in st.items() if v["status"] == "running"]
+            if refused is None and running:  # a second terminal / a scheduler retry, while a stage runs
+                refused = run_qevolve("evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1",
+                                      "--run-dir", run, "--resume")
+                assert proc.poll() is None, "the first run ended while the second one started"
+                assert refused.returncode == 2, refused.stderr[-2000:]
+                line = refused.stderr.strip()
+                assert line.startswith(f"error: {run}: in use by another qevolve process (pid {proc.pid};"), line
+                assert "\n" not in line and refused.stdout == ""
+                after = json.loads(mp.read_text())["stages"]
+                assert all(v["attempts"] == 1 for v in after.values()), "the refused process touched the manifest"
+                continue
             if running and running[0] in ("iter_1/rollout", "iter_1/critic", "bc"):
                 killed_in = running[0]
                 proc.send_signal(signal.SIGKILL)
@@ -126,6 +140,7 @@ def test_resume_after_kill_mid_stage(tmp_path):
         time.sleep(0.05)
     proc.wait(timeout=60)
     assert killed_in is not None, "the run finished before it could be killed"
+    assert refused is not None, "no second process was started while the first ran"
     before = manifest(run)
     done_before = {k for k, v in before.items() if v["status"] == "done"}
     r = run_qevolve("evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--run-dir", run, "--resume",

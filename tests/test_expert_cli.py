@@ -1,4 +1,4 @@
-"""``qevolve expert`` as a real subprocess: a valid SPEC §3 table of successful replays."""
+"""``qevolve expert`` as a real subprocess: a valid step table (docs/tables.md) of successful replays."""
 from __future__ import annotations
 
 import polars as pl

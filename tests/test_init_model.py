@@ -86,7 +86,8 @@ def test_cli_init_model_qwen2(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == info["parameters"]
     # a second run into the same non-empty directory fails cleanly and leaves it intact
     proc = run_qevolve("init-model", "--out", out)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "not empty" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]  # after the progress line
+    assert proc.returncode == 2 and last.startswith("error: ") and "not empty" in last
     assert "Traceback" not in proc.stderr
     assert (out / "model.safetensors").is_file()
 

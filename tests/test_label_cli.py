@@ -221,3 +221,26 @@ def test_inspect_reports_critic_diagnostics_and_warns_on_flat_values(tmp_path, b
     assert "critic" in r.stdout
     warn = [ln for ln in r.stderr.splitlines() if "warning" in ln]
     assert len(warn) == 1 and "AUC of V for success 0.50" in warn[0] and "docs/critic.md" in warn[0]
+
+
+def test_label_imports_stay_light(tmp_path, buffers):
+    """`qevolve label` (no --tokenizer/--critic) needs neither pandas nor pyarrow.compute nor torch: their
+    imports were 0.6 s of a 1M-step label run (benchmarks/bench_core.py, compact table)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, qevolve_env
+
+    expert, self_play = buffers
+    code = ("import sys; from qevolve_cli.cli import app\n"
+            "try: app(sys.argv[1:])\n"
+            "except SystemExit as e: assert e.code in (0, None), e.code\n"
+            "print(sorted(m for m in ('pandas', 'pyarrow.compute', 'pyarrow.parquet', 'torch', 'transformers')"
+            " if m in sys.modules))")
+    out = tmp_path / "l.parquet"
+    p = subprocess.run([sys.executable, "-c", code, "label", str(expert), str(self_play), "--out", str(out), "--json"],
+                       cwd=ROOT, env=qevolve_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
+    df = pl.read_parquet(out)
+    assert {"reward_aux", "aux_kind", "success", "weight"} <= set(df.columns)

@@ -266,7 +266,7 @@ def test_cli_bc_lora_adapter_lowers_nll(table, tiny_model_dir, tmp_path):
         (["--objective", "bppo"], "column 'advantage': missing column"),
         (["--objective", "nope"], "--objective: unknown value 'nope'"),
         (["--objective", "bc", "--model-missing"], "no such model directory"),
-        (["--objective", "bc", "--set", "eps_high=-1"], "field 'eps_high': must be >= 0"),
+        (["--objective", "bc", "--set", "eps_high=-1"], "error: --set eps_high: must be >= 0"),
     ],
 )
 def test_cli_bad_inputs_give_one_line_errors(args, needle, tiny_model_dir, tmp_path):

@@ -116,6 +116,14 @@ def test_rollout_resume_after_kill(react_model_dir: Path, tmp_path: Path) -> Non
                 break
         time.sleep(0.2)
     assert proc.poll() is None, f"rollout ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    # a second `rollout --resume` on the same output is refused at once, naming the holder; the journal is kept
+    second = run_qevolve(*args, "--resume")
+    assert proc.poll() is None, "the first rollout ended while the second one started"
+    assert second.returncode == 2 and second.stderr.strip().startswith(
+        f"error: {out}: in use by another qevolve process (pid {proc.pid};"), second.stderr[-2000:]
+    assert "\n" not in second.stderr.strip()
+    n_now = sum(1 for line in journal.read_text().splitlines() if '"kind": "episode"' in line)
+    assert n_now >= n_before and journal.read_text().startswith('{"kind": "header"')
     os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the CLI and its env workers
     proc.wait(timeout=30)
     assert not out.exists(), "no half-written table after a kill"
@@ -291,7 +299,7 @@ def test_openai_backend_no_server_is_one_line_error(tmp_path: Path) -> None:
     [
         (["--policy", "/nonexistent/model"], "--policy /nonexistent/model: no such directory"),
         (["--backend", "tgi"], "backend"),
-        (["--n-per-task", "0"], "n_per_task"),
+        (["--n-per-task", "0"], "--n-per-task: must be >= 1, got 0"),
         (["--split", "validation"], "split"),
         (["--backend", "openai"], "base_url"),
     ],

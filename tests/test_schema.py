@@ -91,14 +91,12 @@ def test_failed_write_keeps_previous_file(tmp_path, df):
 
 
 def test_interrupted_write_leaves_no_partial_file(tmp_path, df, monkeypatch):
-    import pyarrow.parquet as pqm
-
-    def boom(table, where, **kw):
+    def boom(self, where, **kw):
         with open(where, "wb") as f:
             f.write(b"PAR1 half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pqm, "write_table", boom)
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", boom)
     with pytest.raises(KeyboardInterrupt):
         schema.write_table(df, tmp_path / "new.parquet")
     assert list(tmp_path.iterdir()) == []
@@ -130,3 +128,38 @@ def test_written_files_get_normal_permissions(tmp_path, df):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask
+
+
+def test_is_step_sorted_cases():
+    def t(ids, steps):
+        return pl.DataFrame({"traj_id": ids, "step": pl.Series(steps, dtype=pl.Int32)})
+
+    assert schema.is_step_sorted(t(["a", "a", "b", "c", "c"], [0, 1, 0, 0, 1]))
+    assert not schema.is_step_sorted(t(["a", "a", "b", "a"], [0, 1, 0, 2]))  # a split in two runs
+    assert not schema.is_step_sorted(t(["a", "a", "b", "a"], [0, 1, 0, 0]))  # a starts twice
+    assert not schema.is_step_sorted(t(["a", "a", "b"], [1, 0, 0]))  # steps out of order
+    assert not schema.is_step_sorted(t(["a", "a", "b"], [0, 2, 0]))  # a gap
+    assert not schema.is_step_sorted(t(["a", "a", "b"], [0, 1, 1]))  # does not start at 0
+    assert not schema.is_step_sorted(t(["a", "a", "b"], [0, 0, 0]))  # duplicate step
+    assert not schema.is_step_sorted(t(["a", None, "b"], [0, 1, 0]))
+    assert schema.is_step_sorted(t([], []))
+
+
+def test_validate_same_errors_sorted_or_not(df):
+    """validate() skips its group-by on sorted tables: the errors are the same either way."""
+    d = schema.sort_steps(df)
+    first, second = d["traj_id"].unique(maintain_order=True).to_list()[:2]
+    early = d.with_columns(pl.when((pl.col("traj_id") == first) & (pl.col("step") == 0)).then(True)
+                           .otherwise(pl.col("done")).alias("done"))
+    assert schema.is_step_sorted(early)
+    with pytest.raises(TableError, match=f"done=true before the last step in trajectory '{first}'"):
+        schema.validate(early)
+    shuffled = early.sample(fraction=1.0, shuffle=True, seed=1)
+    assert not schema.is_step_sorted(shuffled)
+    with pytest.raises(TableError, match=f"done=true before the last step in trajectory '{first}'"):
+        schema.validate(shuffled)
+    # a duplicated step: not sorted, so the group-by path reports it
+    dup = pl.concat([d, d.filter((pl.col("traj_id") == second) & (pl.col("step") == 0))])
+    with pytest.raises(TableError, match="duplicate"):
+        schema.validate(dup)
+    assert schema.sort_steps(d) is d  # already in order: returned as is

@@ -140,7 +140,7 @@ def random_text(rng, n_parts: int = 6, tricky: bool = True) -> str:
 
 
 def synthetic_table(n_traj: int = 5, max_steps: int = 4, seed: int = 0, tricky: bool = True, env: str = "alfworld"):
-    """A small step table (SPEC §3 text columns) with random, optionally tricky, text."""
+    """A small step table (docs/tables.md text columns) with random, optionally tricky, text."""
     import random
 
     import polars as pl

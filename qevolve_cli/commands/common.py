@@ -46,7 +46,11 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def run_command(fn: Callable[[], R]) -> R:
     """Run a command body, mapping user errors to one-line messages and exit 2."""
     try:
-        return fn()
+        result = fn()
+        training = sys.modules.get("qevolve_cli.training")
+        if training is not None:  # a distributed rank: its work is done, the exit may wait for its peers
+            training.mark_completed()
+        return result
     except QevolveError as e:
         raise fail(str(e)) from None
     except FileNotFoundError as e:
@@ -74,6 +78,40 @@ def parse_sets(sets: list[str] | None) -> dict[str, Any]:
             raise ConfigError("--set", s, "expected KEY=VALUE")
         k, v = s.split("=", 1)
         out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def naming_flags(build: Callable[[], R], given: dict[str, str]) -> R:
+    """Run ``build()`` (which resolves a config); blame a bad value on the flag the user typed.
+
+    ``given`` maps the config keys set on the command line to their flag (``{"lr": "--lr"}``,
+    ``{"gamma": "--set gamma"}``). A :class:`ConfigError` about one of those keys (or a field
+    under it) is re-raised as ``--lr: must be > 0, got -1.0`` instead of naming the
+    defaults or the config file the value did not come from.
+    """
+    from qevolve_cli.errors import ConfigError
+
+    try:
+        return build()
+    except ConfigError as e:
+        key = (e.field or "").split(".")[0].split("[")[0]
+        if key in given:
+            sub = e.field[len(key):].lstrip(".") if e.field else ""
+            raise ConfigError(given[key], sub or None, e.problem) from None
+        raise
+
+
+def flag_names(values: dict[str, Any], sets: dict[str, Any] | None = None,
+               rename: dict[str, str] | None = None) -> dict[str, str]:
+    """Config key -> the flag that set it, for :func:`naming_flags` (``None`` values were not given).
+
+    Keys from ``--set KEY=VALUE`` map to ``--set KEY``; a flag given explicitly wins over ``--set``
+    (as it does in the merged overrides). ``rename`` gives flags not spelled ``--key-with-dashes``.
+    """
+    out = {k: f"--set {k}" for k in (sets or {})}
+    for k, v in values.items():
+        if v is not None:
+            out[k] = (rename or {}).get(k, "--" + k.replace("_", "-"))
     return out
 
 

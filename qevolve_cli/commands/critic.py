@@ -14,12 +14,14 @@ from qevolve_cli.commands.common import (
     QuietOpt,
     SetOpt,
     emit_json,
+    flag_names,
+    naming_flags,
     parse_sets,
     progress,
     run_command,
 )
 
-HELP = """Train the weighted IQL critic (SPEC §1.4) on a labelled table.
+HELP = """Train the weighted IQL critic (docs/critic.md) on a labelled table.
 
 \b
 One frozen backbone (--model) with three LoRA adapters on the same model object:
@@ -79,8 +81,9 @@ def register(app: typer.Typer) -> None:
 
             flags = {"epochs": epochs, "lr": lr, "steps_per_traj": steps_per_traj, "batch_size": batch_size,
                      "seed": seed}
-            overrides = {**parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
-            cfg = load_critic_config(config, preset, overrides)
+            set_values = parse_sets(sets)
+            overrides = {**set_values, **{k: v for k, v in flags.items() if v is not None}}
+            cfg = naming_flags(lambda: load_critic_config(config, preset, overrides), flag_names(flags, set_values))
             from qevolve_cli.critic.trainer import train_critic
             from qevolve_cli.models.hub import resolve_model
 

@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
                 "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
                 "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
                 "candidates": candidates,
-            })
+            }, rename={"eval_temperature": "--temperature"})
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}.parquet")
             from qevolve_cli.models.hub import resolve_model
 

@@ -6,7 +6,15 @@ from typing import Annotated
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, JsonOpt, QuietOpt, emit_json, run_command
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    JsonOpt,
+    QuietOpt,
+    emit_json,
+    flag_names,
+    naming_flags,
+    run_command,
+)
 
 HELP = """Run Q-Evolve end to end: BC warm-up on expert data, then per iteration rollout -> label ->
 critic -> label --critic -> policy (bppo) -> eval, into RUN_DIR (resumable).
@@ -53,7 +61,9 @@ def register(app: typer.Typer) -> None:
                 overrides["init_model"] = None
             from qevolve_cli.models.hub import resolve_model
 
-            cfg = resolve(env, preset, config, overrides)
+            cfg = naming_flags(lambda: resolve(env, preset, config, overrides), flag_names(
+                {k: v for k, v in overrides.items() if k != "init_model"},
+                rename={"start_policy": "--policy", "expert_data": "--expert"}))
             if model:
                 cfg = cfg.replace(model=resolve_model(model, "--model"))
             if cfg.start_policy:

@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from qevolve_cli.commands.common import JsonOpt, OutOpt, SeedOpt, check_choice, emit_json, run_command
+from qevolve_cli.commands.common import (
+    JsonOpt,
+    OutOpt,
+    QuietOpt,
+    SeedOpt,
+    check_choice,
+    emit_json,
+    run_command,
+)
 
 HELP = """Create a tiny Hugging Face causal LM offline (no network).
 
@@ -22,6 +30,7 @@ Examples:
   qevolve init-model --out models/tiny
   qevolve init-model --out models/small-qwen --arch qwen2 --size small --seed 1 --json
   qevolve init-model --out models/tiny64 --size tiny64      # loads in vLLM (head size 64)
+  qevolve init-model --out models/tiny-tc --size tiny-tc --quiet
 """
 
 
@@ -36,6 +45,7 @@ def register(app: typer.Typer) -> None:
             "recipe vocabulary: the size for BC on TextCraft). vLLM takes tiny64, tiny64-tc and small."))] = "tiny",
         seed: SeedOpt = 0,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
     ) -> None:
         def body() -> None:
             from qevolve_cli.models.tiny import ARCHS, SIZES
@@ -47,6 +57,13 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.models.tiny import create_tiny_model
 
             t0 = time.perf_counter()
+            if quiet:
+                import transformers
+
+                transformers.utils.logging.set_verbosity_error()
+            else:
+                typer.echo(f"init-model: training the {size} tokenizer and writing a {arch} model to {out} ...",
+                           err=True)
             path = create_tiny_model(out, arch=arch, size=size, seed=seed)
             info = json.loads((Path(path) / "qevolve_model.json").read_text())
             info.update(out=str(path), seconds=round(time.perf_counter() - t0, 2))

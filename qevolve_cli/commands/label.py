@@ -6,9 +6,18 @@ from typing import Annotated
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, JsonOpt, OutOpt, emit_json, run_command, stderr_console
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    JsonOpt,
+    OutOpt,
+    emit_json,
+    flag_names,
+    naming_flags,
+    run_command,
+    stderr_console,
+)
 
-HELP = """Label one or more step tables into ONE labelled table (SPEC §1 steps 2-5).
+HELP = """Label one or more step tables into ONE labelled table (docs/commands.md).
 
 \b
 Adds reward_aux / aux_kind (retrospective labels, rules per env from configs/labels.yaml),
@@ -42,10 +51,11 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.config import load_config
             from qevolve_cli.labeling import LabelConfig, label_tables
 
-            cfg = load_config(
+            overrides = {"advantage": advantage, "retrospective": retrospective, "max_length": max_length}
+            cfg = naming_flags(lambda: load_config(
                 LabelConfig, config, section="label" if config and _has_section(config, "label") else None,
-                overrides={"advantage": advantage, "retrospective": retrospective, "max_length": max_length},
-            )
+                overrides=overrides,
+            ), flag_names(overrides, rename={"retrospective": "--retrospective/--no-retrospective"}))
             from qevolve_cli.models.hub import resolve_model
 
             tok = resolve_model(tokenizer, "--tokenizer")

@@ -14,6 +14,8 @@ from qevolve_cli.commands.common import (
     QuietOpt,
     SetOpt,
     emit_json,
+    flag_names,
+    naming_flags,
     parse_sets,
     run_command,
 )
@@ -76,8 +78,10 @@ def register(app: typer.Typer) -> None:
             if objective is not None:
                 check_choice(objective, OBJECTIVES, "--objective")
             flags = {"objective": objective, "epochs": epochs, "lr": lr, "lora": lora, "seed": seed}
-            overrides = {**parse_sets(sets), **{k: v for k, v in flags.items() if v is not None}}
-            cfg = load_policy_config(config, preset, overrides)
+            set_values = parse_sets(sets)
+            overrides = {**set_values, **{k: v for k, v in flags.items() if v is not None}}
+            cfg = naming_flags(lambda: load_policy_config(config, preset, overrides),
+                               flag_names(flags, set_values, {"lora": "--lora/--full"}))
             from qevolve_cli.models.hub import resolve_model
             from qevolve_cli.policy.trainer import train_policy
             from qevolve_cli.training import is_main_process

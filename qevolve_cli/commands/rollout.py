@@ -14,12 +14,14 @@ from qevolve_cli.commands.common import (
     OutOpt,
     QuietOpt,
     emit_json,
+    flag_names,
+    naming_flags,
     progress,
     run_command,
     stderr_console,
 )
 
-HELP = """Collect self-play trajectories of a policy into a SPEC §3 table (source=self).
+HELP = """Collect self-play trajectories of a policy into a step table (docs/tables.md; source=self).
 
 \b
 Episodes are played in batches: one generation call per round for every live
@@ -56,14 +58,15 @@ MaxStepsOpt = Annotated[int | None, typer.Option("--max-steps", help="Turns per 
 IterationOpt = Annotated[int | None, typer.Option("--iteration", help="Evolving iteration recorded in the table.")]
 
 
-def resolve_config(config: Path | None, overrides: dict[str, Any]):
+def resolve_config(config: Path | None, overrides: dict[str, Any], rename: dict[str, str] | None = None):
     from qevolve_cli.config import load_config, load_yaml
     from qevolve_cli.rollout.config import RolloutConfig
 
     section = None
     if config is not None and "rollout" in load_yaml(config):
         section = "rollout"
-    return load_config(RolloutConfig, config, section=section, overrides=overrides)
+    return naming_flags(lambda: load_config(RolloutConfig, config, section=section, overrides=overrides),
+                        flag_names(overrides, rename=rename))
 
 
 def sigterm_as_interrupt() -> None:

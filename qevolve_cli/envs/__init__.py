@@ -1,4 +1,4 @@
-"""Environments (SPEC §2): one interface, real adapters, task splits, a worker pool.
+"""Environments (docs/environments.md): one interface, real adapters, task splits, a worker pool.
 
 Light imports only (adapters load their packages lazily)::
 

@@ -16,6 +16,19 @@
   (unloading them with ``fast_downward.close_lib`` crashed the interpreter at exit), and empties
   the memo dict at every reset (the memoised classes compare and hash by value, nothing relies on identity:
   the memo only saves time, and other games' objects stay valid).
+* Resets: loading a game parses its grammar (tatsu) and grounds its PDDL problem with
+  fast-downward's translator — twice per state (plain and optimised for the planner), and
+  TextWorld's ``PddlEnv`` builds a state in ``load`` and again in ``reset``: 1.6 s per reset, more
+  than a whole episode's steps. :class:`_CachedPddlEnv` keeps, per worker process and per game
+  file, the parsed ``GameLogic`` and the translator's output (an LRU of
+  ``$QEVOLVE_ALFWORLD_GAME_CACHE`` games, default 32; 0 = off, the old path), and builds every
+  state from it: a game's first reset translates once instead of four times, and a replay of
+  the same game (the ``n_per_task`` samples of a task, evaluation reruns) translates nothing.
+  States are still built fresh for each episode (``load_sas`` into the worker's own
+  fast-downward library, facts from the task's initial atoms), so the initial state and every
+  observation are those of a fresh load (``tests/test_envs_alfworld.py``). The worker pool routes
+  a task's samples to the worker that last played it, and the rollout loop starts a task's
+  samples together.
 * Instruction: the ``Your task is to: ...`` sentence; first observation: the room
   description (the TextWorld banner removed).
 * Task type: the first part of the game folder name (``pick_heat_then_place_in_recep``).
@@ -31,6 +44,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +150,13 @@ class AlfWorldEnv(Env):
         tw = self._tw_by_infos.get(want_plan)
         if tw is None:
             infos = textworld.EnvInfos(won=True, policy_commands=want_plan, extras=["gamefile"])
-            tw = textworld.start(str(path), infos, wrappers=[AlfredDemangler(), AlfredInfos])
+            if game_cache_size() > 0:
+                tw = _CachedPddlEnv(infos)
+                for wrapper in (AlfredDemangler(), AlfredInfos):  # what textworld.start does
+                    tw = wrapper(tw)
+                tw.load(str(path))
+            else:
+                tw = textworld.start(str(path), infos, wrappers=[AlfredDemangler(), AlfredInfos])
             self._tw_by_infos[want_plan] = tw
         else:
             tw.load(str(path))
@@ -178,3 +198,202 @@ def _drop_textworld_memo() -> None:
         mementos.core._memento_cache.clear()
     except (ImportError, AttributeError):
         pass
+
+
+# ------------------------------------------------------------------------------ game cache
+def game_cache_size() -> int:
+    """Games whose parsed logic and PDDL translation a worker keeps ($QEVOLVE_ALFWORLD_GAME_CACHE, default 32)."""
+    try:
+        return max(0, int(os.environ.get("QEVOLVE_ALFWORLD_GAME_CACHE", "32")))
+    except ValueError:
+        return 32
+
+
+class _Translated:
+    """What loading one game file computes once: its JSON, GameLogic and fast-downward translation."""
+
+    def __init__(self, path: str):
+        import fast_downward
+        from textworld.envs.pddl import logic as pddl_logic
+
+        with open(path) as f:
+            self.data = json.load(f)
+        self.logic = pddl_logic.GameLogic(domain=self.data["pddl_domain"], grammar=self.data["grammar"])
+        self.task, self.sas = fast_downward.pddl2sas(self.logic.domain, self.data["pddl_problem"], verbose=False)
+        self._sas_replan: str | None = None
+
+    @property
+    def sas_replan(self) -> str:
+        """The planner's (optimised) translation: only for games whose expert plan is asked for."""
+        if self._sas_replan is None:
+            import fast_downward
+
+            _, self._sas_replan = fast_downward.pddl2sas(self.logic.domain, self.data["pddl_problem"],
+                                                         verbose=False, optimize=True)
+        return self._sas_replan
+
+
+_GAMES: OrderedDict[str, _Translated] = OrderedDict()  # per process: game file -> translation (LRU)
+_GAME_STATS = {"hits": 0, "misses": 0}
+
+
+def translated(path: str) -> _Translated:
+    hit = _GAMES.get(path)
+    if hit is not None:
+        _GAMES.move_to_end(path)
+        _GAME_STATS["hits"] += 1
+        return hit
+    _GAME_STATS["misses"] += 1
+    tr = _Translated(path)
+    _GAMES[path] = tr
+    while len(_GAMES) > max(1, game_cache_size()):
+        _GAMES.popitem(last=False)
+    return tr
+
+
+def clear_game_cache() -> None:
+    _GAMES.clear()
+
+
+def _cached_state_class():
+    """``PddlState`` built from a cached translation (textworld 1.6.2's ``PddlState.__init__``
+    without its two ``pddl2sas`` calls; everything else as there)."""
+    global _CachedPddlState
+    if _CachedPddlState is not None:
+        return _CachedPddlState
+    from collections import Counter, defaultdict
+
+    import fast_downward
+    import textworld
+    from textworld.envs.pddl import logic as pddl_logic
+    from textworld.logic import Proposition, Variable
+
+    class CachedPddlState(pddl_logic.PddlState):
+        def __init__(self, downward_lib, tr: _Translated, replan: bool):  # mirrors PddlState.__init__
+            self._facts = defaultdict(set)
+            self._vars_by_name = {}
+            self._vars_by_type = defaultdict(set)
+            self._var_counts = Counter()
+            self._logic = tr.logic
+            self.downward_lib = downward_lib
+            self.pddl_problem = tr.data["pddl_problem"]
+            self.task, self.sas = tr.task, tr.sas
+            self._actions = {a.name: a for a in self.task.actions}
+            for type_ in self.task.types:
+                try:
+                    self._logic.types.add(textworld.logic.Type(type_.name, type_.supertype_names))
+                except ValueError:
+                    pass
+            self.downward_lib.load_sas(self.sas.encode("utf-8"))
+            if replan:  # only replan() reads it: the expert plan (policy_commands), walkthroughs
+                self.sas_replan = tr.sas_replan
+                self.downward_lib.load_sas_replan(self.sas_replan.encode("utf-8"))
+            self.name2type = {o.name: o.type_name for o in self.task.objects}
+
+            def _atom2proposition(atom):
+                if isinstance(atom, fast_downward.translate.pddl.conditions.Atom):
+                    if atom.predicate == "=":
+                        return None
+                    return Proposition(atom.predicate, [Variable(arg, self.name2type[arg]) for arg in atom.args])
+                elif isinstance(atom, fast_downward.translate.pddl.f_expression.Assign):
+                    if atom.fluent.symbol == "total-cost":
+                        return None
+                    name = f"{atom.expression.value}"
+                    if str.isdigit(name):  # Discard distance relations.
+                        return None
+                    return Proposition(name, [Variable(arg, self.name2type[arg]) for arg in atom.fluent.args])
+
+            facts = [_atom2proposition(atom) for atom in self.task.init]
+            self.add_facts(list(filter(None, facts)))
+            state_size = self.downward_lib.get_state_size()
+            atoms = (pddl_logic.Atom * state_size)()
+            self.downward_lib.get_state(atoms)
+            facts = [atom.get_fact(self.name2type) for atom in atoms]
+            self.add_facts([fact for fact in facts if not fact.is_negation])
+
+    _CachedPddlState = CachedPddlState
+    return CachedPddlState
+
+
+_CachedPddlState = None
+
+
+def _memoise_template_parsing() -> None:
+    """Parse each text-generation template once per process.
+
+    TextWorld's grammar parses the same short templates (``#intro#``, every action's command and
+    feedback rule) with tatsu at every reset and step, to the same symbols every time. Memoised
+    here by template text (only the ``symbols`` rule: the templates); every call gets its own deep
+    copy, since ``derive`` sets the copies' contexts.
+    """
+    from copy import deepcopy
+
+    from textworld.envs.pddl import textgen
+
+    if getattr(textgen._parse_and_convert, "_qevolve_memo", False):
+        return
+    original = textgen._parse_and_convert
+    memo: dict[str, Any] = {}
+
+    def parse_and_convert(*args, **kwargs):
+        if kwargs.get("rule_name") != "symbols" or len(args) != 1 or not isinstance(args[0], str) or kwargs.get("trace"):
+            return original(*args, **kwargs)
+        hit = memo.get(args[0])
+        if hit is None:
+            if len(memo) > 100_000:
+                memo.clear()
+            hit = memo[args[0]] = original(*args, **kwargs)
+        return deepcopy(hit)
+
+    parse_and_convert._qevolve_memo = True
+    textgen._parse_and_convert = parse_and_convert
+
+
+def _cached_env_class():
+    global _CachedEnvClass
+    if _CachedEnvClass is not None:
+        return _CachedEnvClass
+    _memoise_template_parsing()
+    from textworld.core import GameState
+    from textworld.envs.pddl.pddl import PddlEnv
+
+    class CachedPddlEnv(PddlEnv):
+        """textworld 1.6.2's ``PddlEnv`` whose ``load`` / ``reset`` build states from :func:`translated`."""
+
+        def load(self, filename_or_data):
+            tr = translated(str(filename_or_data))
+            self._translated = tr
+            self._game_file = filename_or_data
+            self._game_data = tr.data
+            self.walkthrough = tr.data.get("walkthrough", None)
+            self._logic = tr.logic
+            self._pddl_state = _cached_state_class()(self.downward_lib, tr, self._replans())
+            self._entity_infos = self._get_entity_infos()
+
+        def _replans(self) -> bool:
+            return bool(self.request_infos.policy_commands) or "walkthrough" in (self.request_infos.extras or [])
+
+        def reset(self):  # PddlEnv.reset with the state from the cache
+            self._pddl_state = _cached_state_class()(self.downward_lib, self._translated, self._replans())
+            self.prev_state = None
+            self.state = GameState()
+            self._last_action = None
+            self._moves = 0
+            context = {"state": self._pddl_state, "facts": list(self._pddl_state.facts), "variables": {},
+                       "mapping": {}, "entity_infos": self._entity_infos}
+            self.state.feedback = self._logic.grammar.derive("#intro#", context)
+            self.state.raw = self.state.feedback
+            self._gather_infos()
+            if "walkthrough" in self.request_infos.extras:
+                self.state["extra.walkthrough"] = self.walkthrough or self._pddl_state.replan(self._entity_infos)
+            return self.state
+
+    _CachedEnvClass = CachedPddlEnv
+    return CachedPddlEnv
+
+
+_CachedEnvClass = None
+
+
+def _CachedPddlEnv(infos):  # noqa: N802 - a class factory: textworld is imported lazily
+    return _cached_env_class()(infos)

@@ -1,4 +1,4 @@
-"""The one environment interface (SPEC §2).
+"""The one environment interface (docs/environments.md).
 
 * :class:`Task` — one task of a split, with a stable ``task_id`` (see ``splits.py``).
 * :class:`Env` — ``reset(task) -> observation`` (the task description is then in

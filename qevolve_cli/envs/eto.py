@@ -113,7 +113,7 @@ def _messages(path: Path, i: int, rec: Any) -> tuple[str, list[tuple[str, str]]]
 
 def import_eto(path: str | Path, env: str, split: str = "train", source: str = "expert", iteration: int = 0,
                default_reward: float = 1.0) -> pl.DataFrame:
-    """Read an ETO/ShareGPT SFT file into a SPEC §3 step table (see the module docstring)."""
+    """Read an ETO/ShareGPT SFT file into a step table (docs/tables.md) (see the module docstring)."""
     from qevolve_cli.schema import BASE_COLUMNS, EXTRA_COLUMNS
 
     path = Path(path)

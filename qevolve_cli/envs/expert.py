@@ -1,4 +1,4 @@
-"""Expert trajectories (SPEC §2): replay each task's expert plan through the real environment.
+"""Expert trajectories (docs/environments.md): replay each task's expert plan through the real environment.
 
 Experts: SciWorld gold action sequences, ALFWorld ``gt_traj.json`` (or the PDDL planner),
 TextCraft a plan from its crafting tree. Every expert command becomes a ReAct output with a
@@ -47,7 +47,7 @@ def collect_expert(env: str, split: str = "train", limit: int | None = None, wor
                    tasks: list[Task] | None = None, keep_failed: bool = False, timeout_s: float = 120.0,
                    stats: dict | None = None, on_progress: Callable[[int, int, int], None] | None = None,
                    envs_per_worker: int = 1) -> pl.DataFrame:
-    """Expert trajectories of ``split`` as a SPEC §3 table (source=expert, iteration=0).
+    """Expert trajectories of ``split`` as a step table (docs/tables.md) (source=expert, iteration=0).
 
     Only successful replays (final reward > 0) are kept unless ``keep_failed``; ``stats``
     (when given) receives ``tasks``, ``succeeded``, ``failed`` (replay did not succeed),

@@ -17,7 +17,8 @@ API (used by the batched rollout loop, ``collect_expert`` and evaluation)::
         res = pool.wait(t)                               # dict key -> ResetResult | StepResult | Failure
 
 * An *episode key* is any hashable the caller chooses (e.g. ``(task_id, sample_idx)``).
-  ``reset_many`` assigns each key to the least loaded worker; a key lives on that worker
+  ``reset_many`` assigns each key to the worker that last reset the same task when it has a free
+  slot (it may hold the game ready: ALFWorld), else to the least loaded one; a key lives on that worker
   until released or done. At most ``workers * envs_per_worker`` episodes are live at once
   (``pool.capacity``); ``reset_many`` raises ``QevolveError`` beyond that.
 * Calls are batched: requests for different workers run in parallel; the episodes of one
@@ -32,7 +33,7 @@ API (used by the batched rollout loop, ``collect_expert`` and evaluation)::
   does not answer within ``timeout_s`` for one env call (reset gets ``reset_timeout_s``), the
   worker process is killed and restarted, and **every live episode on it** gets
   ``Failure(error="worker crashed: ..." | "timeout: ...")`` — the caller records that
-  trajectory with the reason in the ``error`` column (SPEC §3) and goes on. Episodes on the
+  trajectory with the reason in the ``error`` column (docs/tables.md) and goes on. Episodes on the
   other workers are untouched. An exception raised by the environment itself inside
   reset/step also gives a ``Failure`` for that key only (the worker survives).
 * ``pool.stats`` counts restarts / failures; ``pool.close()`` (or the context manager)
@@ -238,6 +239,7 @@ class EnvPool:
         self._workers = [_Worker(self._ctx, i, env_name, self.env_kwargs) for i in range(self.n_workers)]
         self._where: dict[Hashable, int] = {}
         self._lost: dict[Hashable, str] = {}  # keys whose worker died while they were not being stepped
+        self._affinity: dict[str, int] = {}  # task_id -> worker that last reset it
         # busy_reset_s / busy_step_s: seconds the workers spent in env resets / steps (summed over workers)
         self.stats = {"restarts": 0, "failures": 0, "resets": 0, "steps": 0, "busy_reset_s": 0.0, "busy_step_s": 0.0}
         self._closed = False
@@ -315,10 +317,16 @@ class EnvPool:
             if key in self._where:
                 i = self._where[key]
             else:
-                i = min((j for j in range(self.n_workers) if load[j] < self.envs_per_worker), key=lambda j: load[j])
+                # a task goes back to the worker that last played it when that worker has a free slot:
+                # environments that cache a game per worker (ALFWorld) then reset it cheaply
+                i = self._affinity.get(task.task_id, -1)
+                if not (0 <= i < self.n_workers and load[i] < self.envs_per_worker):
+                    i = min((j for j in range(self.n_workers) if load[j] < self.envs_per_worker),
+                            key=lambda j: load[j])
                 load[i] += 1
                 self._where[key] = i
                 self._workers[i].keys.add(key)
+            self._affinity[task.task_id] = i
             batch(i)[1].append((key, task, bool(with_expert), max_steps))
         for key, output in acts:
             if key in self._lost:

@@ -92,7 +92,23 @@ class Plan:
 
 def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
                echo: Callable[[str], None] = _echo_stderr, quiet: bool = False) -> dict[str, Any]:
-    """Run (or resume) the whole loop in ``run_dir``; returns the score summary."""
+    """Run (or resume) the whole loop in ``run_dir``; returns the score summary.
+
+    Holds an exclusive lock on ``run_dir`` throughout (``qevolve_cli/lock.py``): a second
+    process on the same directory fails at once, naming this one's PID.
+    """
+    from qevolve_cli.lock import exclusive, run_dir_lock
+
+    run_path = Path(run_dir)
+    if run_path.exists() and not run_path.is_dir():
+        raise QevolveError(f"{run_path}: not a directory (--run-dir)")
+    run_path.mkdir(parents=True, exist_ok=True)
+    with exclusive(run_dir_lock(run_path), run_path):
+        return _run_evolve(cfg, run_path, resume=resume, echo=echo, quiet=quiet)
+
+
+def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[str], None],
+                quiet: bool) -> dict[str, Any]:
     import yaml
 
     from qevolve_cli.atomic import write_text

@@ -99,17 +99,27 @@ def test_cpu_preset_critic_orders_states_and_signs_advantages(tiny_model_dir, tm
     assert d["auc_v"] > 0.75 and d["ev_return"] > 0.15, d
     assert summary["warning"] is None, summary["warning"]
 
-    sc = score_table(labeled, tmp_path / "critic", device="cpu")
-    sc = schema.sort_steps(sc)
-    sc = sc.with_columns(process_rewards(sc, "gae", 0.95, 0.95))
+    sc = schema.sort_steps(score_table(labeled, tmp_path / "critic", device="cpu"))
     sc = sc.with_columns(pl.col("observation").map_elements(_room, return_dtype=pl.Int64).alias("room"))
     v = sc.group_by("room").agg(pl.col("value").mean()).sort("room")
     values = dict(zip(v["room"].to_list(), v["value"].to_list(), strict=True))
     for a, b in [(1, 2), (2, 3), (3, 4)]:  # rooms every trajectory can visit
         assert values[a] < values[b], values
-    adv = sc.group_by("command").agg(pl.col("advantage").mean())
-    adv = dict(zip(adv["command"].to_list(), adv["advantage"].to_list(), strict=True))
-    assert adv["go east"] > 0 > adv["go west"], adv
+
+    def mean_adv(kind: str, lam: float) -> dict:
+        a = sc.with_columns(process_rewards(sc, kind, 0.95, lam))
+        g = a.group_by("source", "command").agg(pl.col("advantage").mean())
+        return {(r["source"], r["command"]): r["advantage"] for r in g.to_dicts()}
+
+    # the action's own advantage r + gamma V(s') - V(s) (process reward `td`): east > 0 > west
+    td = mean_adv("td", 0.0)
+    assert td[("self", "go east")] > 0 > td[("self", "go west")], td
+    assert td[("expert", "go east")] > 0, td
+    # the paper's GAE (lambda 0.95) also folds in the noisy behaviour after the action (self
+    # trajectories go west 45 % of the time): east still above west, west negative, expert positive
+    gae = mean_adv("gae", 0.95)
+    assert gae[("self", "go east")] > gae[("self", "go west")] and gae[("self", "go west")] < 0, gae
+    assert gae[("expert", "go east")] > 0, gae
 
 
 @pytest.mark.slow

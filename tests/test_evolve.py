@@ -199,9 +199,11 @@ def test_iteration_overrides_merge_entry_by_entry():
     over = {"iterations": [{"critic": {"epochs": 8}}], "bc": {"lr": 0.1}}
     assert deep_merge(base, over) == {"iterations": [{"critic": {"lr": 1.0, "epochs": 8}}, {"critic": {"lr": 2.0}}],
                                       "bc": {"epochs": 1, "lr": 0.1}}
-    # the per-env block of the cpu scale overrides iteration 1 only; iteration 2 keeps the scale's values
-    cfg = resolve("lamps", "cpu", overrides={"iters": 2})
-    assert cfg.stage("critic", 1).epochs == 8 and cfg.stage("critic", 2).lr == 5e-4
+    # the per-env block of the cpu scale overrides its own entries field by field; the others keep the scale's
+    cfg = resolve("lamps", "cpu", overrides={"iters": 3})
+    assert cfg.stage("critic", 1).epochs == 6 and cfg.stage("critic", 1).lr == 1e-3  # epochs: lamps, lr: scale
+    assert cfg.stage("policy", 2).lr == 2.5e-4 and cfg.stage("critic", 2).ema_lambda == 0.2
+    assert cfg.stage("critic", 3).epochs == 16 and cfg.stage("policy", 3).lr == 1e-4  # no lamps entry: scale
 
 
 def test_plan_uses_the_chosen_critic_backbone(tmp_path):

@@ -1,4 +1,4 @@
-"""The weighted IQL critic (SPEC §1.4-1.5): model, training, scoring, reranking.
+"""The weighted IQL critic (docs/critic.md): model, training, scoring, reranking.
 
 Entry points (import lazily; they pull in torch):
 

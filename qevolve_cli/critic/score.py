@@ -8,7 +8,7 @@ trajectory (trajectories batched, right-padded):
 * ``q_value``    = min(Qbar1, Qbar2)(s_t, a_t)  (delayed Q adapter and heads, pooled at ``pos_sa``), the
   Q used by IQL's advantage Q - V
 
-GAE itself (SPEC §1.5) is in the Rust core (``qevolve_cli.core.gae``); the process
+GAE itself (docs/critic.md) is in the Rust core (``qevolve_cli.core.gae``); the process
 reward variants (``gae``, ``gae_aux``, ``td``, ``q_minus_v``) are
 :func:`qevolve_cli.labeling.process_rewards`, called by ``qevolve label``.
 """

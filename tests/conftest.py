@@ -61,3 +61,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_model") / "model"
     create_tiny_model(out, arch="llama", size="tiny", seed=0)
     return out
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (tiny models on 2 shared cores: more threads only spin)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -22,12 +22,8 @@ from qevolve_cli.training import lr_lambda
 SMALL = dict(lora_rank=4, head_hidden=16, device="cpu", checkpoint=False, warmup_ratio=0.0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# one thread: on the shared 2-core machine spinning OpenMP threads only slow tiny matmuls
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def labelled(n_traj=4, mean_steps=4, seed=0, obs_words=8) -> pl.DataFrame:

@@ -19,7 +19,6 @@ import json
 import numpy as np
 import polars as pl
 import pytest
-import torch
 from conftest import run_qevolve
 
 from qevolve_cli import schema
@@ -66,12 +65,8 @@ def chain_table(n_expert: int = 16, n_self: int = 48, seed: int = 0) -> pl.DataF
     return schema.validate(df)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# one thread: on the shared 2-core machine spinning OpenMP threads only slow tiny matmuls
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _room(obs: str) -> int:

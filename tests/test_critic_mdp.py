@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import polars as pl
 import pytest
-import torch
 
 from qevolve_cli import core
 from qevolve_cli.critic.config import CriticConfig
@@ -72,12 +71,8 @@ def tabular_reference(df: pl.DataFrame):
     return ref
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the shared 2-core machine: spinning OpenMP threads only slow tiny matmuls
-    yield
-    torch.set_num_threads(n)
+# one thread: on the shared 2-core machine spinning OpenMP threads only slow tiny matmuls
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_reference_solution_has_the_expected_structure():

@@ -277,7 +277,7 @@ class CriticTrainer:
         return cols
 
     def adapter_state(self) -> dict[str, Any]:
-        """A copy of the trainable weights (adapters and heads): the best epoch kept by early stopping."""
+        """A copy of the trainable weights (adapters and heads): checkpoints and the best epoch of early stopping."""
         return {"adapters": {n: p.detach().cpu().clone() for n, p in self.critic.backbone.named_parameters()
                              if "lora_" in n},
                 "heads": {k: v.detach().cpu().clone() for k, v in self.critic.heads.state_dict().items()}}
@@ -286,23 +286,17 @@ class CriticTrainer:
         params = dict(self.critic.backbone.named_parameters())
         with torch.no_grad():
             for n, t in s["adapters"].items():
+                if n not in params:
+                    raise QevolveError(f"checkpoint: unknown adapter tensor {n}")
                 params[n].copy_(t)
         self.critic.heads.load_state_dict(s["heads"])
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        adapters = {n: p.detach().cpu().clone() for n, p in self.critic.backbone.named_parameters() if "lora_" in n}
-        heads = {k: v.detach().cpu().clone() for k, v in self.critic.heads.state_dict().items()}
-        return {"adapters": adapters, "heads": heads, "q": self.q.state_dict(), "v": self.v.state_dict(), "n": self.n}
+        return {**self.adapter_state(), "q": self.q.state_dict(), "v": self.v.state_dict(), "n": self.n}
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
-        params = dict(self.critic.backbone.named_parameters())
-        with torch.no_grad():
-            for n, t in s["adapters"].items():
-                if n not in params:
-                    raise QevolveError(f"checkpoint: unknown adapter tensor {n}")
-                params[n].copy_(t)
-        self.critic.heads.load_state_dict(s["heads"])
+        self.load_adapter_state(s)
         self.q.load_state_dict(s["q"])
         self.v.load_state_dict(s["v"])
         self.n = int(s["n"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import polars as pl
@@ -40,6 +41,56 @@ def test_eval_textcraft_json(react_model_dir: Path, tmp_path: Path) -> None:
                 "--max-tasks", "3", "--max-steps", "3", "--out", out2, "--seed", "99", *FAST, check=True)
     a, b = (pl.read_parquet(p).sort(["traj_id", "step"]) for p in (out, out2))
     assert a["action"].to_list() == b["action"].to_list()
+
+
+def test_eval_shards_merge_to_the_unsharded_eval(react_model_dir: Path, tmp_path: Path, monkeypatch, one_thread) -> None:
+    """`eval --best-of 2 --shard I/2`: each shard plays whole tasks (both samples), with the unsharded run's
+    trajectory ids and seeds; its metrics are its own, and the shards' tables give the unsharded metrics.
+    Shard 1 through the CLI (CliRunner, default output name), shard 0 and the whole run through run_eval
+    on one backend and pool, all on one thread (threads: 1) so that the sampled tokens can be compared."""
+    from typer.testing import CliRunner
+
+    from qevolve_cli.cli import app
+    from qevolve_cli.envs.pool import EnvPool
+    from qevolve_cli.rollout.backends import HFBackend
+    from qevolve_cli.rollout.config import RolloutConfig
+    from qevolve_cli.rollout.evaluate import best_of_n, run_eval, summarize
+
+    knobs = {"env": "textcraft", "split": "test_seen", "max_tasks": 3, "max_steps": 3, "max_new_tokens": 24,
+             "temperature": 1.0, "seed": 5, "workers": 1, "envs_per_worker": 2, "threads": 1}
+    (tmp_path / "ev.yaml").write_text("".join(f"{k}: {v}\n" for k, v in knobs.items()))
+    monkeypatch.chdir(tmp_path)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the command maps SIGTERM to Ctrl-C in its process: restore it
+    try:
+        r = CliRunner().invoke(app, ["eval", "--env", "textcraft", "--policy", str(react_model_dir), "--split",
+                                     "test_seen", "--config", "ev.yaml", "--best-of", "2", "--shard", "1/2", "--json",
+                                     "-q"])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert r.exit_code == 0, r.output
+    m1 = json.loads(r.output.strip().splitlines()[-1])
+    assert m1["shard"] == "1/2" and m1["n"] == 1 and m1["env_steps"] > 0 and m1["oracle"]
+    shard1 = pl.read_parquet(tmp_path / "eval_textcraft_test_seen_1of2.parquet")  # the default name of a shard
+    assert json.loads((tmp_path / "eval_textcraft_test_seen_1of2.parquet.metrics.json").read_text())["n"] == 1
+
+    cfg = RolloutConfig(**knobs)
+    be = HFBackend(react_model_dir, max_new_tokens=24, threads=1)
+    try:
+        with EnvPool("textcraft", workers=1, envs_per_worker=2) as pool:
+            full = run_eval(cfg, react_model_dir, tmp_path / "full.parquet", best_of=2, backend=be, pool=pool)
+            m0 = run_eval(cfg.replace(shard="0/2"), react_model_dir, tmp_path / "s0.parquet", best_of=2, backend=be,
+                          pool=pool)
+    finally:
+        be.close()
+    assert m0["shard"] == "0/2" and m0["n"] == 2 and full["shard"] is None and full["n"] == 3
+    whole, shard0 = pl.read_parquet(tmp_path / "full.parquet"), pl.read_parquet(tmp_path / "s0.parquet")
+    tasks0, tasks1 = set(shard0["task_id"]), set(shard1["task_id"])
+    assert len(tasks0) == 2 and len(tasks1) == 1 and not tasks0 & tasks1, "whole tasks, disjoint"
+    assert (shard0.group_by("task_id").agg(pl.col("sample").n_unique())["sample"] == 2).all()
+    key = ["traj_id", "step"]
+    assert pl.concat([shard0, shard1]).sort(key).equals(whole.sort(key)), "same ids, seeds, actions, rewards"
+    merged = summarize(best_of_n(pl.concat([shard0, shard1])))
+    assert merged == {k: full[k] for k in merged}, "the shards' tables give the unsharded metrics"
 
 
 def test_eval_sciworld_table(react_model_dir: Path, tmp_path: Path) -> None:

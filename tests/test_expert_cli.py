@@ -60,8 +60,8 @@ def test_collect_expert_sciworld_library_matches_gold(tmp_path):
 
 
 def test_select_shard_partitions_tasks_exactly():
-    from qevolve_cli.commands.expert import select_shard
     from qevolve_cli.errors import QevolveError
+    from qevolve_cli.shard import select_shard
 
     for n_tasks in (0, 1, 7, 10, 3554):
         tasks = list(range(n_tasks))

@@ -97,6 +97,32 @@ def test_rollout_same_seed_same_table(textcraft_run: Path, react_model_dir: Path
     assert a["action"].to_list() != c["action"].to_list(), "another seed samples other actions"
 
 
+def test_rollout_shards_merge_to_the_unsharded_run(textcraft_run: Path, react_model_dir: Path, tmp_path: Path) -> None:
+    """Two `--shard I/2` runs (another worker layout) = the unsharded run row for row: same trajectory ids,
+    seeds (sampled actions), observations and rewards; `label` of the shards = `label` of the whole run."""
+    from qevolve_cli.labeling import label_tables
+
+    full = pl.read_parquet(textcraft_run)
+    shards = [tmp_path / f"shard_{i}.parquet" for i in range(2)]
+    for i, out in enumerate(shards):
+        res = run_qevolve("rollout", "--env", "textcraft", "--policy", react_model_dir, "--split", "train",
+                          "--max-tasks", "3", "--n-per-task", "2", "--max-steps", "4", "--seed", "7",
+                          "--iteration", "2", "--temperature", "1.0", "--shard", f"{i}/2", "--out", out, "--json",
+                          "--max-new-tokens", "24", "--workers", "1", "--envs-per-worker", "3", "-q", check=True)
+        summary = json.loads(res.stdout)
+        assert summary["shard"] == f"{i}/2" and summary["trajectories"] == 3 and summary["stats"]["total"] == 3
+        assert f"shard: {i}/2" in (tmp_path / f"shard_{i}.parquet.config.yaml").read_text()
+    parts = [pl.read_parquet(p) for p in shards]
+    assert not set(parts[0]["traj_id"]) & set(parts[1]["traj_id"])
+    assert pl.concat(parts).equals(full), "the shards, concatenated in shard order, are the unsharded table"
+    merged = run_qevolve("label", *shards, "--out", tmp_path / "merged.parquet", "--json", check=True)
+    assert json.loads(merged.stdout)["trajectories"] == 6
+    label_tables([textcraft_run], tmp_path / "whole.parquet")
+    a, b = (pl.read_parquet(tmp_path / n) for n in ("merged.parquet", "whole.parquet"))
+    assert a.columns == b.columns and a.height == full.height
+    assert a.equals(b), "label of the shards = label of the unsharded rollout, row for row"
+
+
 def test_rollout_resume_after_kill(react_model_dir: Path, tmp_path: Path) -> None:
     from qevolve_cli import schema
 
@@ -302,6 +328,7 @@ def test_openai_backend_no_server_is_one_line_error(tmp_path: Path) -> None:
         (["--n-per-task", "0"], "--n-per-task: must be >= 1, got 0"),
         (["--split", "validation"], "split"),
         (["--backend", "openai"], "base_url"),
+        (["--shard", "3/2"], "--shard: need N >= 1 and 0 <= I < N, got '3/2'"),
     ],
 )
 def test_rollout_bad_input(args, needle, tiny_model_dir: Path, tmp_path: Path) -> None:

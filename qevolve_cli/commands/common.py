@@ -30,6 +30,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one machine-readabl
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 WorkersOpt = Annotated[int, typer.Option("--workers", "-w", help="Parallel environment worker processes.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr.")]
+ShardOpt = Annotated[str | None, typer.Option("--shard", help="Only shard I of N (I/N, 0-based): one of N disjoint, "
+                                              "contiguous blocks of the run's work (tasks for expert, (task, sample) "
+                                              "pairs for rollout and eval), to split one run across nodes.")]
 # training commands (critic, policy): overrides of the stage config
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE (repeatable).")]
 EpochsOpt = Annotated[int | None, typer.Option("--epochs", help="Override epochs.")]

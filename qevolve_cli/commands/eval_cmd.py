@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, EnvOpt, JsonOpt, QuietOpt, emit_json, run_command
+from qevolve_cli.commands.common import ConfigOpt, EnvOpt, JsonOpt, QuietOpt, ShardOpt, emit_json, run_command
 from qevolve_cli.commands.rollout import (
     AdapterOpt,
     BackendOpt,
@@ -36,6 +36,9 @@ candidates per step by the critic's Q - V (test-time best-of-N).
 --best-of N samples N whole trajectories per task (rollout temperature) and
 keeps the one with the highest final env reward: QLASS's Best-of-N baseline,
 an oracle upper bound (it reads the outcome), marked as such in the output.
+--shard I/N evaluates one contiguous block of the tasks (with --best-of: all
+N samples of each of its tasks) and prints that shard's metrics; the metrics
+of the whole split come from the shards' tables (docs/rollout.md, "Shards").
 
 \b
 Examples:
@@ -44,6 +47,7 @@ Examples:
   qevolve eval --env alfworld --policy base --adapter runs/it2/policy --split test_unseen --backend vllm
   qevolve eval --env sciworld --policy runs/it1/policy --split test_seen --critic runs/it1/critic --candidates 5
   qevolve eval --env lamps --policy runs/bc/policy --split test_seen --best-of 6 --temperature 1.0
+  qevolve eval --env alfworld --policy runs/it1/policy --split test_unseen --shard 1/2 --out ev_1.parquet --json
 """
 
 
@@ -52,6 +56,8 @@ def render_table(m: dict[str, Any]) -> None:
     from rich.table import Table
 
     title = f"{m['env']} / {m['split']} — {m['n']} tasks" + (f", critic best-of-{m['candidates']}" if m.get("critic") else "")
+    if m.get("shard"):
+        title += f", shard {m['shard']} only"
     if m.get("best_of", 1) > 1:
         title += f", best-of-{m['best_of']} by env reward (oracle upper bound)"
     tab = Table(title=title)
@@ -70,6 +76,16 @@ def render_table(m: dict[str, Any]) -> None:
     Console().print(tab)
 
 
+def shard_suffix(shard: str) -> str:
+    """``"1/4"`` -> ``"_1of4"`` (the default output name of a shard), ``""`` -> ``""``."""
+    if not shard:
+        return ""
+    from qevolve_cli.shard import parse_shard
+
+    i, n = parse_shard(shard)
+    return f"_{i}of{n}"
+
+
 def register(app: typer.Typer) -> None:
     @app.command("eval", help=HELP)
     def eval_cmd(
@@ -77,7 +93,8 @@ def register(app: typer.Typer) -> None:
         policy: PolicyOpt,
         split: Annotated[str, typer.Option("--split", help="Evaluation split: test_seen, test_unseen, test (WebShop), train.")],
         adapter: AdapterOpt = None,
-        out: Annotated[Path | None, typer.Option("--out", "-o", help="Trajectory table (default eval_<env>_<split>.parquet).")] = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Trajectory table (default eval_<env>_<split>.parquet; "
+                                        "with --shard I/N eval_<env>_<split>_IofN.parquet).")] = None,
         max_tasks: MaxTasksOpt = None,
         temperature: Annotated[float | None, typer.Option("--temperature", help="Decoding temperature (default 0 = greedy; "
                                                           "with --best-of: the sampling temperature, default the "
@@ -96,6 +113,7 @@ def register(app: typer.Typer) -> None:
         max_steps: MaxStepsOpt = None,
         iteration: IterationOpt = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted evaluation.")] = False,
+        shard: ShardOpt = None,
         config: ConfigOpt = None,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
@@ -109,9 +127,9 @@ def register(app: typer.Typer) -> None:
                 ("temperature" if best_of > 1 else "eval_temperature"): temperature,
                 "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
                 "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
-                "candidates": candidates,
+                "candidates": candidates, "shard": shard,
             }, rename={"eval_temperature": "--temperature"})
-            dest = out or Path(f"eval_{cfg.env}_{cfg.split}.parquet")
+            dest = out or Path(f"eval_{cfg.env}_{cfg.split}{shard_suffix(cfg.shard)}.parquet")
             from qevolve_cli.models.hub import resolve_model
 
             pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")

@@ -10,6 +10,7 @@ from qevolve_cli.commands.common import (
     JsonOpt,
     OutOpt,
     QuietOpt,
+    ShardOpt,
     SplitOpt,
     WorkersOpt,
     check_choice,
@@ -34,22 +35,6 @@ Examples:
 """
 
 
-def select_shard(tasks: list, shard: str) -> list:
-    """Shard ``I/N`` (0-based) of ``tasks``: the I-th of N contiguous blocks whose sizes differ by at most one."""
-    from qevolve_cli.errors import QevolveError
-
-    try:
-        i_s, n_s = shard.split("/")
-        i, n = int(i_s), int(n_s)
-    except ValueError:
-        raise QevolveError(f"--shard: expected I/N (e.g. 0/4), got {shard!r}") from None
-    if n < 1 or not 0 <= i < n:
-        raise QevolveError(f"--shard: need N >= 1 and 0 <= I < N, got {shard!r}")
-    base, extra = divmod(len(tasks), n)
-    start = i * base + min(i, extra)
-    return tasks[start:start + base + (1 if i < extra else 0)]
-
-
 def register(app: typer.Typer) -> None:
     @app.command("expert", help=HELP)
     def expert(
@@ -57,8 +42,7 @@ def register(app: typer.Typer) -> None:
         out: OutOpt,
         split: SplitOpt = "train",
         limit: Annotated[int | None, typer.Option("--limit", "-n", help="Only the first N tasks of the split.")] = None,
-        shard: Annotated[str | None, typer.Option("--shard", help="Only shard I of N (I/N, 0-based) of the selected tasks, in contiguous blocks: "
-                                                               "split a long replay across runs or nodes.")] = None,
+        shard: ShardOpt = None,
         workers: WorkersOpt = 1,
         keep_failed: Annotated[bool, typer.Option("--keep-failed", help="Also write replays that did not succeed.")] = False,
         timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds an env step may take before its worker is restarted.")] = 120.0,
@@ -70,6 +54,7 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.envs.registry import ENV_NAMES, list_tasks
             from qevolve_cli.errors import QevolveError
             from qevolve_cli.schema import write_table
+            from qevolve_cli.shard import select_shard
 
             check_choice(env, ENV_NAMES, "--env")
             if workers < 1:

@@ -13,6 +13,7 @@ from qevolve_cli.commands.common import (
     JsonOpt,
     OutOpt,
     QuietOpt,
+    ShardOpt,
     emit_json,
     flag_names,
     naming_flags,
@@ -30,6 +31,9 @@ replaced by new (task, sample) pairs until every task has --n-per-task
 trajectories. Finished episodes are appended to OUT.journal.jsonl as they
 finish; after an interruption --resume plays only the missing pairs. The final
 table is written atomically, with the resolved config in OUT.config.yaml.
+--shard I/N plays one contiguous block of the (task, sample) pairs with the
+trajectory ids and seeds of the unsharded run: one shard per node, then
+`qevolve label shard_0.parquet shard_1.parquet ...` labels them as one rollout.
 
 \b
 Examples:
@@ -39,6 +43,7 @@ Examples:
   qevolve rollout --env sciworld --policy my-model --backend openai --base-url http://127.0.0.1:8000/v1 \\
       --out self.parquet
   qevolve rollout --env textcraft --policy runs/bc/policy --out self.parquet --resume   # after Ctrl-C
+  qevolve rollout --env alfworld --policy runs/bc/policy --backend vllm --shard $NODE/4 --out self_$NODE.parquet
 """
 
 PolicyOpt = Annotated[str, typer.Option("--policy", help="Policy model: a Hugging Face model directory (or the "
@@ -125,6 +130,7 @@ def register(app: typer.Typer) -> None:
         max_steps: MaxStepsOpt = None,
         max_context: Annotated[int | None, typer.Option("--max-context", help="Context length in tokens (0 = model max).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted rollout from OUT.journal.jsonl.")] = False,
+        shard: ShardOpt = None,
         config: ConfigOpt = None,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
@@ -137,6 +143,7 @@ def register(app: typer.Typer) -> None:
                 "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes,
                 "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
+                "shard": shard,
             })
             from qevolve_cli.models.hub import resolve_model
 
@@ -160,6 +167,7 @@ def register(app: typer.Typer) -> None:
             per = t.group_by("traj_id").agg(pl_sum_reward())
             summary = {
                 "out": str(out), "env": cfg.env, "split": cfg.split, "iteration": cfg.iteration,
+                "shard": cfg.shard or None,
                 "trajectories": n_traj, "steps": t.height,
                 "success_rate": round(float((per["reward"] > 0).mean()), 6),
                 "avg_reward": round(float(per["reward"].mean()), 6),

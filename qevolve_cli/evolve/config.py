@@ -106,6 +106,9 @@ class EvolveConfig(ConfigBase):
         if name == "rollout":
             from qevolve_cli.rollout.config import RolloutConfig
 
+            if d.get("shard"):
+                raise ConfigError("evolve config: rollout", "shard", "evolve plays and evaluates whole splits; "
+                                  "shard `qevolve rollout` / `qevolve eval` runs instead (docs/rollout.md)")
             d.update(env=self.env, iteration=iteration)
             d.setdefault("seed", self.seed + 1000 * iteration)
             return RolloutConfig.from_dict(d, source="evolve config: rollout")

@@ -57,7 +57,16 @@ class RolloutConfig(ConfigBase):
     retry_failed: bool = field(True, help="--resume re-runs episodes recorded as failed (worker crash, timeout).")
     candidates: int = field(1, help="Critic reranking: sample N candidates per step, play the best by Q - V.", ge=1)
     candidate_temperature: float = field(1.0, help="Temperature of the reranking candidates.", ge=0.0)
+    shard: str = field("", help="Play only shard I/N (0-based) of the run's (task, sample) pairs: a contiguous "
+                       "block, with the trajectory ids and seeds of the unsharded run (\"\" = all; docs/rollout.md).")
 
     def validate(self, source=None, prefix: str = "") -> None:
         if self.backend == "openai" and not self.base_url:
             raise ConfigError(source, prefix + "base_url", "required with backend openai")
+        if self.shard:
+            from qevolve_cli.shard import parse_shard
+
+            try:
+                parse_shard(self.shard)
+            except ValueError as e:
+                raise ConfigError(source, prefix + "shard", str(e)) from None

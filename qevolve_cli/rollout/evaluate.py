@@ -135,6 +135,10 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate ``policy`` (greedy, one trajectory per task) on ``cfg.split``; returns the metrics dict.
 
+    ``cfg.shard = "I/N"``: only that shard's block of the tasks (with ``best_of``: every sample of each of
+    its tasks), metrics of those tasks; :func:`summarize` of the shards' tables concatenated gives the
+    unsharded metrics (docs/rollout.md).
+
     ``best_of=N > 1``: N sampled trajectories per task (``cfg.temperature``), the best by final
     environment reward kept (:func:`best_of_n`, an oracle). The trajectories (all N per task) go to
     ``out`` (a temporary file, deleted, when None).
@@ -156,11 +160,12 @@ def run_eval(
         temperature = cfg.temperature if best_of > 1 else cfg.eval_temperature
         res = run_rollout(cfg, policy, out, adapter=adapter, resume=resume, temperature=temperature,
                           backend=backend, chooser=chooser, on_progress=on_progress, tasks=tasks,
-                          producer="qevolve eval", pool=pool)
+                          producer="qevolve eval", pool=pool, shard_whole_tasks=best_of > 1)
         scored = best_of_n(res.table) if best_of > 1 else res.table
         metrics = {
             "env": cfg.env,
             "split": cfg.split,
+            "shard": cfg.shard or None,  # the metrics of this shard's tasks only (docs/rollout.md: merging shards)
             "policy": str(policy),
             "adapter": str(adapter) if adapter else None,
             "critic": str(critic) if critic else None,

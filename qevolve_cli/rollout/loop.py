@@ -31,6 +31,11 @@ then removes the journal.
 Sampling seeds are per (trajectory, step): ``hash(seed, traj_id, step)``, so
 with the ``hf`` backend on CPU the same seed gives the same table, and an
 episode's trajectory does not depend on which others shared its batch.
+
+``cfg.shard = "I/N"`` plays one contiguous block of the (task, sample) pairs
+in the table's order (:func:`qevolve_cli.shard.shard_pairs`): same trajectory
+ids, so same seeds, as the unsharded run; the shards' tables concatenated in
+shard order are the unsharded table (docs/rollout.md, "Shards").
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ from qevolve_cli import schema, transcript
 from qevolve_cli.errors import QevolveError, TableError
 from qevolve_cli.rollout.backends import Backend, Request, make_backend
 from qevolve_cli.rollout.config import RolloutConfig
+from qevolve_cli.shard import shard_pairs
 
 JOURNAL_VERSION = 1
 
@@ -157,8 +163,8 @@ class Journal:
     def _check_header(self, rec: dict[str, Any], lineno: int) -> None:
         if rec.get("kind") != "header":
             raise QevolveError(f"{self.path}: line {lineno}: not a rollout journal (no header)")
-        for k in ("env", "split", "iteration", "source"):
-            if rec.get(k) != self.header.get(k):
+        for k in ("env", "split", "iteration", "source", "shard"):
+            if rec.get(k, "") != self.header.get(k, ""):  # journals without a shard key are unsharded
                 raise QevolveError(
                     f"{self.path}: the unfinished rollout has {k}={rec.get(k)!r}, this run {k}="
                     f"{self.header.get(k)!r}; resume with the same settings or delete the journal")
@@ -221,9 +227,11 @@ def play(
     on_progress: ProgressFn | None = None,
     stats: RolloutStats | None = None,
     pool: Any = None,
+    pairs: Sequence[tuple[Any, int]] | None = None,
 ) -> RolloutStats:
     """Play every missing (task, sample) pair of ``tasks`` x ``range(n_per_task)`` into ``journal``.
 
+    ``pairs``: play only these (task, sample) pairs instead (a shard: :func:`qevolve_cli.shard.shard_pairs`).
     ``pool``: an open :class:`EnvPool` of ``cfg.env`` to reuse (kept open); by default a pool of
     ``cfg.workers`` x ``cfg.envs_per_worker`` is started and closed here.
     """
@@ -234,17 +242,18 @@ def play(
     t_start = time.perf_counter()
     system = instruction_prompt(cfg.env)
     siu = transcript.needs_system_in_user(backend.tokenizer) if backend.tokenizer is not None else False
-    pairs: list[_Episode] = []
+    if pairs is None:
+        pairs = [(t, s) for t in tasks for s in range(cfg.n_per_task)]
     # a task's samples one after another: they start together and the pool sends them to the worker
     # that has the game loaded (ALFWorld resets of a cached game: ~0.05 s instead of ~1.5 s).
-    # The table's row order does not depend on this (``order`` in run_rollout).
-    for t in tasks:
-        for s in range(cfg.n_per_task):
-            tid = traj_id_of(cfg.env, cfg.split, t.task_id, cfg.iteration, s)
-            pairs.append(_Episode(key=(t.task_id, s), task=t, traj_id=tid))
-    st.total = len(pairs)
+    # The table's row order does not depend on this (``order`` in run_rollout), nor do the episodes:
+    # their seeds depend on the trajectory id only (``step_seed``).
+    position = {t.task_id: k for k, t in enumerate(tasks)}
+    episodes = [_Episode(key=(t.task_id, s), task=t, traj_id=traj_id_of(cfg.env, cfg.split, t.task_id, cfg.iteration, s))
+                for t, s in sorted(pairs, key=lambda p: (position.get(p[0].task_id, -1), p[1]))]
+    st.total = len(episodes)
     pending: list[_Episode] = []
-    for ep in pairs:
+    for ep in episodes:
         rec = journal.episodes.get(ep.traj_id)
         if rec is not None and not (rec.get("error") and cfg.retry_failed):
             st.done += 1
@@ -438,6 +447,7 @@ def run_rollout(
     tasks: Sequence[Any] | None = None,
     producer: str = "qevolve rollout",
     pool: Any = None,
+    shard_whole_tasks: bool = False,
 ) -> RolloutResult:
     """Collect ``n_per_task`` trajectories per task of ``cfg.split`` into the table ``out``.
 
@@ -445,6 +455,10 @@ def run_rollout(
     model across calls (the evolve loop, benchmarks). ``resume=True`` continues an interrupted run from its journal (and returns
     at once, reading ``out``, when it is already complete). Returns the
     table (validated), the stats and the output path.
+
+    ``cfg.shard = "I/N"`` plays only that shard's contiguous block of the (task, sample) pairs, in
+    the unsharded table's order and with its trajectory ids and seeds (:func:`qevolve_cli.shard.shard_pairs`;
+    ``shard_whole_tasks``: a block of whole tasks instead, for best-of-N).
 
     Holds an exclusive lock on ``out`` and its journal throughout (``qevolve_cli/lock.py``): a
     second process on the same output fails at once, naming this one's PID.
@@ -457,13 +471,13 @@ def run_rollout(
     with exclusive(output_lock(out), out):
         return _run_rollout(cfg, policy, out, adapter=adapter, resume=resume, source=source, temperature=temperature,
                             backend=backend, chooser=chooser, on_progress=on_progress, tasks=tasks,
-                            producer=producer, pool=pool)
+                            producer=producer, pool=pool, shard_whole_tasks=shard_whole_tasks)
 
 
 def _run_rollout(cfg: RolloutConfig, policy: str | Path, out: Path, *, adapter: str | Path | None, resume: bool,
                  source: str, temperature: float | None, backend: Backend | None, chooser: Chooser | None,
                  on_progress: ProgressFn | None, tasks: Sequence[Any] | None, producer: str,
-                 pool: Any) -> RolloutResult:
+                 pool: Any, shard_whole_tasks: bool) -> RolloutResult:
     from qevolve_cli.envs.splits import list_tasks
 
     jpath = journal_path(out)
@@ -479,8 +493,13 @@ def _run_rollout(cfg: RolloutConfig, policy: str | Path, out: Path, *, adapter: 
     if not tasks:
         raise QevolveError(f"{cfg.env}/{cfg.split}: no tasks")
     temp = cfg.temperature if temperature is None else temperature
+    # this run's (task, sample) pairs in table order: all of them, or one shard's contiguous block
+    pairs = shard_pairs(tasks, cfg.n_per_task, cfg.shard, whole_tasks=shard_whole_tasks)
+    if not pairs:
+        raise QevolveError(f"{cfg.env}/{cfg.split}: shard {cfg.shard} of {len(tasks)} tasks x {cfg.n_per_task} "
+                           "samples is empty (fewer pairs than shards)")
     header = {"kind": "header", "version": JOURNAL_VERSION, "env": cfg.env, "split": cfg.split,
-              "iteration": cfg.iteration, "source": source, "policy": str(policy),
+              "iteration": cfg.iteration, "source": source, "shard": cfg.shard, "policy": str(policy),
               "adapter": str(adapter) if adapter else None, "config": cfg.to_dict()}
     own_backend = backend is None
     if backend is None:
@@ -491,13 +510,12 @@ def _run_rollout(cfg: RolloutConfig, policy: str | Path, out: Path, *, adapter: 
     journal = Journal(jpath, header, resume=resume)
     try:
         st = play(cfg, backend, tasks, temperature=temp, journal=journal, source=source, chooser=chooser,
-                  on_progress=on_progress, pool=pool)
+                  on_progress=on_progress, pool=pool, pairs=pairs)
     finally:
         journal.close()
         if own_backend:
             backend.close()
-    order = [traj_id_of(cfg.env, cfg.split, t.task_id, cfg.iteration, s)
-             for s in range(cfg.n_per_task) for t in tasks]
+    order = [traj_id_of(cfg.env, cfg.split, t.task_id, cfg.iteration, s) for t, s in pairs]
     table = _collect(journal, order)
     schema.write_table(table, out, producer=producer)
     from qevolve_cli.config import dump_yaml

@@ -42,6 +42,25 @@ sys.path.insert(0, str(ROOT))
 
 ARMS = ("bc", "rft", "qe_gae", "qe_gae_aux")
 
+# Policy-step candidates of each arm, chosen per seed on VAL_TASKS train tasks (never on the held-out splits).
+# lr_scale multiplies the preset's lr of the iteration; the first candidate is the preset itself.
+# Iteration 2 reuses the candidate chosen at iteration 1 (with iteration 2's preset lr).
+GRID = {
+    "rft": [{}, {"lr_scale": 0.2}],
+    "qe": [{}, {"lr_scale": 0.2}, {"normalize_advantage": True}, {"lr_scale": 0.2, "normalize_advantage": True}],
+}
+VAL_TASKS = 40
+
+
+def cand_dir(cand: dict) -> str:
+    """Directory of a candidate policy: ``policy`` for the preset, else ``policy_lr0.2_norm`` style."""
+    parts = []
+    if cand.get("lr_scale", 1.0) != 1.0:
+        parts.append(f"lr{cand['lr_scale']:g}")
+    if cand.get("normalize_advantage"):
+        parts.append("norm")
+    return "_".join(["policy"] + parts)
+
 
 def log(msg: str) -> None:
     print(f"[bench_learning] {msg}", file=sys.stderr, flush=True)
@@ -131,7 +150,8 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
     def evaluate(arm: str, k: int, policy: Path) -> None:
         for split in cfg.eval_splits:
             e_cfg = cfg.stage("rollout", max(k, 1)).replace(split=split, max_tasks=cfg.eval_max_tasks, iteration=k)
-            out = run / arm / f"iter_{k}" / f"eval_{split}.parquet"
+            tag = policy.name.removeprefix("policy")  # "" for the preset candidate (and BC), "_lr0.2" ...
+            out = run / arm / f"iter_{k}" / f"eval_{split}{tag}.parquet"
             stage(out, lambda e_cfg=e_cfg, out=out: run_eval(e_cfg, policy, out, resume=True), times,
                   f"{arm}/iter_{k}/eval_{split}")
             if out.exists():
@@ -145,7 +165,43 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
                 if split in res["scores"].get("bc", {}):
                     res["scores"][arm].setdefault(split, {})["iter_0"] = res["scores"]["bc"][split]["iter_0"]
 
-    policies = {arm: bc for arm in arms if arm != "bc"}
+    # validation: the last VAL_TASKS tasks of the *train* split (disjoint from the expert and rollout tasks,
+    # which are the first ones), greedy like the held-out evaluation. Policy-step settings are chosen here.
+    from qevolve_cli.envs.splits import list_tasks
+
+    train_tasks = list_tasks(env, "train")
+    used = max(cfg.expert_limit or 0, cfg.stage("rollout", 1).max_tasks or 0)
+    val_tasks = train_tasks[-VAL_TASKS:]
+    if used + VAL_TASKS > len(train_tasks):
+        raise SystemExit(f"{env}: train split too small for a disjoint validation slice")
+
+    def val_score(policy: Path, out: Path, name: str) -> float | None:
+        v_cfg = cfg.stage("rollout", 1).replace(split="train", max_tasks=0, iteration=0)
+        stage(out, lambda: run_eval(v_cfg, policy, out, resume=True, tasks=val_tasks), times, name)
+        return eval_scores(out)["success"] if out.exists() else None
+
+    res["validation"] = {"tasks": len(val_tasks), "bc": val_score(bc, run / "bc" / "iter_0" / "val.parquet",
+                                                                  "bc/iter_0/val")}
+
+    def select(arm: str, k: int, grid: list[dict], train) -> Path | None:
+        """Train every candidate of ``grid`` (``train(cand, out)``), score each on the validation tasks,
+        return the best one's policy (ties: the earlier candidate, the preset first)."""
+        best, best_v, scores = None, -1.0, {}
+        for cand in grid:
+            out = run / arm / f"iter_{k}" / cand_dir(cand)
+            stage(out, lambda cand=cand, out=out: train(cand, out), times, f"{arm}/iter_{k}/{cand_dir(cand)}")
+            if not out.exists():
+                continue
+            v = val_score(out, out.parent / f"val_{cand_dir(cand)}.parquet", f"{arm}/iter_{k}/val_{cand_dir(cand)}")
+            scores[cand_dir(cand)] = v
+            if v is not None and v > best_v:
+                best, best_v = out, v
+        res["validation"].setdefault(arm, {})[f"iter_{k}"] = {"candidates": scores,
+                                                              "selected": best.name if best else None}
+        return best
+
+    policies: dict[str, Path | None] = {arm: bc for arm in arms if arm != "bc"}
+    chosen: dict[str, list[dict]] = {}  # the candidate selected at iteration 1, reused at iteration 2
     successes: dict[str, list[Path]] = {arm: [] for arm in policies}
     for k in range(1, iters + 1):
         r_cfg = cfg.stage("rollout", k).replace(split="train")
@@ -155,23 +211,29 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
         shared = k == 1  # iteration 1 starts every arm from BC: one rollout, one critic
         rollouts: dict[str, Path] = {}
         for arm, pol in policies.items():
+            if pol is None:
+                continue
             key = "shared" if shared else arm
             ro = run / key / f"iter_{k}" / "rollout.parquet"
             stage(ro, lambda ro=ro, pol=pol, r_cfg=r_cfg: run_rollout(r_cfg, pol, ro, resume=True,
                                                                       producer="bench_learning"),
                   times, f"{key}/iter_{k}/rollout")
-            rollouts[arm] = ro
             if ro.exists():
+                rollouts[arm] = ro
                 res["train_rollout_success"][f"{key}/iter_{k}"] = rollout_success(ro)
-            elif COLLECT_ONLY:
-                continue
-        new: dict[str, Path] = {}
+        new: dict[str, Path | None] = {}
         for arm, pol in policies.items():
             key = "shared" if shared else arm
-            out = run / arm / f"iter_{k}" / "policy"
-            if COLLECT_ONLY and not rollouts.get(arm, Path("/nonexistent")).exists():
+            if arm not in rollouts:
+                new[arm] = None
                 continue
-            if arm == "rft" and not (COLLECT_ONLY and out.exists()):
+            grid = GRID["rft" if arm == "rft" else "qe"] if k == 1 else chosen.get(arm, [])
+
+            def cfg_of(cand: dict, base=p_cfg):
+                return base.replace(lr=base.lr * cand.get("lr_scale", 1.0),
+                                    normalize_advantage=cand.get("normalize_advantage", base.normalize_advantage))
+
+            if arm == "rft":
                 ok = pl.read_parquet(rollouts[arm])
                 ok = ok.filter(pl.col("traj_id").is_in(
                     ok.group_by("traj_id").agg(pl.col("reward_env").sum()).filter(pl.col("reward_env") > 0)["traj_id"]
@@ -185,11 +247,9 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
                 if not data.exists():
                     frames = [pl.read_parquet(expert)] + [pl.read_parquet(p) for p in successes[arm]]
                     schema.write_table(pl.concat(frames, how="diagonal_relaxed"), data, producer="bench_learning: rft")
-                rft_cfg = p_cfg.replace(objective="bc", bc_source="all")
-                stage(out, lambda out=out, pol=pol, data=data, rft_cfg=rft_cfg:
-                      train_policy(rft_cfg, data, pol, out, quiet=True), times, f"{arm}/iter_{k}/policy")
-            elif arm == "rft":
-                pass
+
+                def train(cand, out, pol=pol, data=data):
+                    train_policy(cfg_of(cand).replace(objective="bc", bc_source="all"), data, pol, out, quiet=True)
             else:
                 labeled = run / key / f"iter_{k}" / "labeled.parquet"
                 stage(labeled, lambda labeled=labeled, ro=rollouts[arm], l_cfg=l_cfg:
@@ -207,11 +267,15 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
                       label_tables([labeled], adv, a_cfg, critic=critic), times, f"{arm}/iter_{k}/advantage")
                 if adv.exists():
                     res["advantages"][f"{arm}/iter_{k}"] = advantage_summary(adv)
-                stage(out, lambda out=out, pol=pol, adv=adv, p_cfg=p_cfg: train_policy(p_cfg, adv, pol, out, ref=pol,
-                                                                                    quiet=True),
-                      times, f"{arm}/iter_{k}/policy")
-            new[arm] = out
-            evaluate(arm, k, out)
+
+                def train(cand, out, pol=pol, adv=adv):
+                    train_policy(cfg_of(cand), adv, pol, out, ref=pol, quiet=True)
+            best = select(arm, k, grid, train)
+            if k == 1 and best is not None:
+                chosen[arm] = [c for c in grid if cand_dir(c) == best.name]
+            new[arm] = best
+            if best is not None:
+                evaluate(arm, k, best)
         policies = new
     res["stage_seconds"] = times
     return res

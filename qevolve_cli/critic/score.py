@@ -32,7 +32,6 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
     table's ``pos_*`` columns when present (they must match this tokenizer), else are computed.
     Steps beyond ``max_length`` tokens are still scored (the whole trajectory is forwarded).
     """
-    import torch
 
     from qevolve_cli.critic.model import CriticModel
     from qevolve_cli.critic.trainer import load_tokenizer, pad_id_of
@@ -45,36 +44,59 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
             tokenizer = load_tokenizer(critic)
     items = build_items(df, tokenizer, max_length=None)
     dev = next(model.heads.parameters()).device
-    value = np.zeros(df.height, np.float32)
-    next_value = np.zeros(df.height, np.float32)
-    q_value = np.zeros(df.height, np.float32)
-    order = sorted(range(len(items)), key=lambda i: len(items[i].input_ids))  # similar lengths together
-    pad = pad_id_of(tokenizer)
-    with torch.no_grad():
-        for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
-            picks = [(i, np.arange(items[i].n_steps)) for i in idx]
-            b = collate(items, picks, pad, dev)
-            h_s, h_next = model.pooled("value", b.input_ids, b.attention_mask, b.pos_s, b.pos_next)
-            v, vn = model.head("v", h_s), model.head("v", h_next)
-            if with_q:
-                (h_sa,) = model.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
-                q = torch.minimum(model.head("q1_target", h_sa), model.head("q2_target", h_sa))
-            for r, (i, steps) in enumerate(b.steps):
-                rows = items[i].rows[steps]
-                k = len(steps)
-                value[rows] = v[r, :k].cpu().numpy()
-                next_value[rows] = vn[r, :k].cpu().numpy()
-                if with_q:
-                    q_value[rows] = q[r, :k].cpu().numpy()
-            if progress is not None:
-                progress(len(idx))
+    outs = ("value", "next_value", "q_value") if with_q else ("value", "next_value")
+    got = score_items(model, items, df.height, pad_id_of(tokenizer), dev, batch_size, outs, progress)
+    value, next_value = got["value"], got["next_value"]
     done = df["done"].to_numpy().astype(bool)
     next_value[done] = 0.0  # V(terminal) = 0
     cols = [pl.Series("value", value, pl.Float32), pl.Series("next_value", next_value, pl.Float32)]
     if with_q:
-        cols.append(pl.Series("q_value", q_value, pl.Float32))
+        cols.append(pl.Series("q_value", got["q_value"], pl.Float32))
     return df.with_columns(cols)
+
+
+SCORES = ("value", "next_value", "q1", "q2", "q_value")
+
+
+def score_items(model: Any, items: list, n_rows: int, pad_id: int, device: Any, batch_size: int,
+                outputs: tuple[str, ...] = ("value", "next_value", "q_value"), progress: Any = None
+                ) -> dict[str, np.ndarray]:
+    """Critic outputs at every step of ``items`` (no gradients): arrays of length ``n_rows`` indexed
+    like the source frame (rows of other items stay 0).
+
+    ``outputs`` among :data:`SCORES`: ``value`` V(s_t) and ``next_value`` V(s_{t+1}) (value adapter,
+    pooled at ``pos_s`` / ``pos_next``), ``q1``/``q2`` (online Q adapter and heads at ``pos_sa``),
+    ``q_value`` min(Qbar1, Qbar2) (delayed Q adapter and heads). One forward per adapter needed per
+    batch of trajectories of similar length. ``next_value`` is not zeroed after terminal steps.
+    """
+    import torch
+
+    bad = set(outputs) - set(SCORES)
+    if bad:
+        raise ValueError(f"unknown critic outputs {sorted(bad)} (known: {SCORES})")
+    cols = {k: np.zeros(n_rows, np.float32) for k in outputs}
+    order = sorted(range(len(items)), key=lambda i: len(items[i].input_ids))  # similar lengths together
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            b = collate(items, [(i, np.arange(items[i].n_steps)) for i in idx], pad_id, device)
+            got = {}
+            if "value" in cols or "next_value" in cols:
+                h_s, h_next = model.pooled("value", b.input_ids, b.attention_mask, b.pos_s, b.pos_next)
+                got["value"], got["next_value"] = model.head("v", h_s), model.head("v", h_next)
+            if "q1" in cols or "q2" in cols:
+                (h_sa,) = model.pooled("q", b.input_ids, b.attention_mask, b.pos_sa)
+                got["q1"], got["q2"] = model.head("q1", h_sa), model.head("q2", h_sa)
+            if "q_value" in cols:
+                (h_sat,) = model.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
+                got["q_value"] = torch.minimum(model.head("q1_target", h_sat), model.head("q2_target", h_sat))
+            for r, (i, steps) in enumerate(b.steps):
+                rows = items[i].rows[steps]
+                for k in cols:
+                    cols[k][rows] = got[k][r, :len(steps)].float().cpu().numpy()
+            if progress is not None:
+                progress(len(idx))
+    return cols
 
 
 # ---------------------------------------------------------------- process rewards (pure)

@@ -256,25 +256,10 @@ class CriticTrainer:
         Arrays of length ``n_rows`` indexed like the source frame (rows of other items stay 0).
         Three forwards per trajectory (value, q, q_target), no gradients, all steps scored.
         """
-        c = self.critic
-        cols = {k: np.zeros(n_rows, np.float32) for k in ("value", "next_value", "q1", "q2", "q_value")}
-        bs = batch_size or max(self.cfg.batch_size, 8)
-        order = sorted(range(len(items)), key=lambda i: len(items[i].input_ids))
-        with torch.no_grad():
-            for start in range(0, len(order), bs):
-                idx = order[start:start + bs]
-                b = collate(items, [(i, np.arange(items[i].n_steps)) for i in idx], self.pad_id, self.device)
-                h_s, h_next = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s, b.pos_next)
-                (h_sa,) = c.pooled("q", b.input_ids, b.attention_mask, b.pos_sa)
-                (h_sat,) = c.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
-                got = {"value": c.head("v", h_s), "next_value": c.head("v", h_next), "q1": c.head("q1", h_sa),
-                       "q2": c.head("q2", h_sa),
-                       "q_value": torch.minimum(c.head("q1_target", h_sat), c.head("q2_target", h_sat))}
-                for r, (i, steps) in enumerate(b.steps):
-                    rows = items[i].rows[steps]
-                    for k, t in got.items():
-                        cols[k][rows] = t[r, :len(steps)].float().cpu().numpy()
-        return cols
+        from qevolve_cli.critic.score import SCORES, score_items
+
+        return score_items(self.critic, items, n_rows, self.pad_id, self.device,
+                           batch_size or max(self.cfg.batch_size, 8), SCORES)
 
     def adapter_state(self) -> dict[str, Any]:
         """A copy of the trainable weights (adapters and heads): checkpoints and the best epoch of early stopping."""

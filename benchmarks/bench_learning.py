@@ -10,8 +10,13 @@ For each environment and seed, through the library (the same functions as the su
                  critic; the filtered self-imitation baseline), same lr/epochs as the BPPO stage;
   - ``qe_gae``   Q-Evolve, process reward GAE over r_env (the paper);
   - ``qe_gae_aux`` Q-Evolve, GAE over r_env + r_aux (the paper's ablation row);
+* the policy step of every arm (RFT, BPPO) is chosen per seed among a few candidates (:data:`GRID`:
+  the preset, 0.2x its lr, and for BPPO the same with standardised advantages) by greedy success on
+  a validation slice: the last 40 tasks of the *train* split, disjoint from the expert and rollout
+  tasks. Only the selected candidate is evaluated on the held-out splits;
 * iteration 2: every arm rolls out its own iteration-1 policy (same seed), the Q-Evolve arms
-  train a new critic on expert + that rollout, then BPPO / RFT again;
+  train a new critic on expert + that rollout, then BPPO / RFT again with the candidate chosen at
+  iteration 1 (the iteration-2 preset lr, scaled the same way);
 * greedy evaluation of every policy on held-out ``test_seen`` and ``test_unseen`` (the first
   ``eval_max_tasks`` tasks of each, as the preset says; the same tasks for every arm).
 

@@ -73,16 +73,8 @@ def auc(scores: Any, labels: Any, mask: Any = None) -> float | None:
     n_pos, n_neg = int(y.sum()), int((~y).sum())
     if n_pos == 0 or n_neg == 0:
         return None
-    order = np.argsort(s, kind="mergesort")
-    ranks = np.empty(len(s), np.float64)
-    sorted_s = s[order]
-    i = 0
-    while i < len(s):  # average ranks over ties (1-based)
-        j = i
-        while j + 1 < len(s) and sorted_s[j + 1] == sorted_s[i]:
-            j += 1
-        ranks[order[i:j + 1]] = 0.5 * (i + j) + 1.0
-        i = j + 1
+    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    ranks = (np.cumsum(counts) - counts + (counts + 1) / 2.0)[inv]  # average 1-based ranks over ties
     u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
     return float(u / (n_pos * n_neg))
 

@@ -312,6 +312,29 @@ def aggregate(seeds: list[dict], arms: list[str], splits: list[str], iters: int)
     return out
 
 
+def markdown(seeds: list[dict], agg: dict, arms: list[str], splits: list[str], iters: int) -> str:
+    """The held-out table of docs/learning_check.md: per seed and arm, seen / unseen success (%) per
+    iteration, then mean ± standard error over seeds (held-out = mean of the splits)."""
+    pct = lambda x: "–" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    cols = [(a, k) for a in arms for k in (range(0, 1) if a == "bc" else range(1, iters + 1))]
+    head = "| seed | " + " | ".join(f"{a} it{k}" for a, k in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 1)]
+    for r in seeds:
+        cells = []
+        for a, k in cols:
+            sc = r["scores"].get(a, {})
+            cells.append(" / ".join(pct(sc.get(sp, {}).get(f"iter_{k}", {}).get("success")) for sp in splits))
+        lines.append(f"| {r['seed']} ({' / '.join(splits)}) | " + " | ".join(cells) + " |")
+    for sp in splits + ["held_out"]:
+        cells = []
+        for a, k in cols:
+            m = agg.get(a, {}).get(sp, {}).get(f"iter_{k}", {})
+            cells.append("–" if m.get("mean") is None else
+                         f"{100 * m['mean']:.1f} ± {100 * (m['se'] or 0):.1f}")
+        lines.append(f"| **mean ± s.e., {sp}** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", default="lamps", choices=("lamps", "textcraft"))
@@ -321,6 +344,7 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--runs", default="runs/learning", help="Directory of the run directories (kept; resumable).")
     ap.add_argument("--collect", action="store_true", help="Only read the stages that finished (no training).")
+    ap.add_argument("--markdown", action="store_true", help="Also print the held-out table as Markdown on stderr.")
     args = ap.parse_args()
     global COLLECT_ONLY
     COLLECT_ONLY = args.collect
@@ -344,6 +368,8 @@ def main() -> None:
     out = {"benchmark": "learning_check", "env": args.env, "preset": args.preset, "iters": args.iters,
            "arms": arms, "seeds": seeds, "mean_se": aggregate(seeds, arms, splits, args.iters),
            "total_s": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    if args.markdown:
+        print(markdown(seeds, out["mean_se"], arms, splits, args.iters), file=sys.stderr)
     print(json.dumps(out))
 
 

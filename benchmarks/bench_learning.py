@@ -87,6 +87,9 @@ def eval_scores(table: Path) -> dict:
     import polars as pl
 
     df = pl.read_parquet(table)
+    failed = df.filter(pl.col("error").is_not_null())["traj_id"].n_unique()
+    if failed:  # a crashed episode is not a policy failure: refuse to score it
+        raise SystemExit(f"{table}: {failed} episodes crashed (column 'error'); delete the table and rerun")
     per = df.group_by("traj_id").agg(pl.col("reward_env").sum().alias("r"), pl.len().alias("steps"))
     return {"success": float((per["r"] > 0).mean()), "avg_reward": float(per["r"].mean()), "tasks": per.height}
 

@@ -34,11 +34,17 @@ What the loop does:
 * metrics: one JSON line per optimiser step appended to ``args.log_path``
   (``{"epoch", "step", "lr", "loss", "grad_norm", "tokens", ...loss metrics}``),
   a rich progress bar on stderr;
-* checkpoint / resume at epoch boundaries in ``args.ckpt_dir``: trainable
-  parameters (safetensors), optimiser, scheduler, RNG states and the caller's
-  ``extra_state`` tensors; a run that is interrupted and started again with the
-  same arguments continues after the last finished epoch. Checkpoints are
-  written atomically (temp dir + rename).
+* checkpoint / resume in ``args.ckpt_dir`` at epoch boundaries and, with
+  ``checkpoint_every_steps`` N > 0, after every N-th optimiser step: trainable
+  parameters (safetensors; under DeepSpeed the engine's own checkpoint),
+  optimiser, scheduler, RNG states, the step counter and the caller's
+  ``extra_state`` tensors. A run that is interrupted and started again with the
+  same arguments continues at the next optimiser step: the epoch's batch order
+  is rebuilt by ``make_steps(epoch)`` and the steps already done are skipped;
+  the metrics log is cut back to the checkpoint's step. Each checkpoint goes
+  into its own ``step########/`` directory and is committed by replacing
+  ``meta.json`` atomically (the previous one is removed only then), see
+  :func:`write_checkpoint`.
 * ``hooks.on_step(step, model)`` after every optimiser step (the policy
   refreshes pi_old there).
 
@@ -55,8 +61,10 @@ micro-batch 0 with weight 0) and each rank's loss is scaled by
 ``world_size * w / (sum of w over the whole step)``, so the gradient averaged
 over ranks is exactly the step's weighted mean: fp32 runs equal the
 single-process run up to rounding. Logged losses/tokens are summed over ranks
-and written by rank 0. Epoch checkpoints are not written under DeepSpeed and a
-left-over one is refused. With ``WORLD_SIZE > 1`` and no DeepSpeed config the
+and written by rank 0. Checkpoints under DeepSpeed are the engine's own
+(``engine.save_checkpoint``: every rank writes its ZeRO partition of the
+optimiser state, ZeRO-3 its parameter shards too) in the same committed layout;
+they resume with the same number of ranks and ZeRO stage only. With ``WORLD_SIZE > 1`` and no DeepSpeed config the
 loop runs plain DDP through :class:`AccelerateBackend`; otherwise
 :class:`TorchBackend`.
 """
@@ -101,6 +109,7 @@ class TrainArgs:
     quiet: bool = False
     desc: str = "train"
     max_steps: int = 0  # stop after this many optimiser steps (0 = no limit; for tests/benchmarks)
+    checkpoint_every_steps: int = 0  # also checkpoint after every N-th optimiser step (0 = epoch boundaries only)
 
 
 @dataclass
@@ -112,6 +121,7 @@ class TrainResult:
     tokens: int
     last_metrics: dict[str, float] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
+    resumed_from_step: int = 0
 
 
 @dataclass
@@ -234,7 +244,30 @@ class TorchBackend:
         grads = [p.grad.detach().norm() for p in params if p.grad is not None]
         return float(torch.norm(torch.stack(grads))) if grads else 0.0
 
-    supports_checkpoints = True
+    checkpoint_kind = "torch"
+
+    def save_state(self, tag_dir: Path, model, optimizer) -> None:
+        """Write the trainable parameters (safetensors) and the optimiser state into ``tag_dir`` (rank 0:
+        the state is replicated). Called on every rank (the DeepSpeed backend's is a collective)."""
+        import torch
+        from safetensors.torch import save_file
+
+        if self.is_main:
+            save_file(_trainable_state(self.unwrap(model)), str(tag_dir / "trainable.safetensors"))
+            torch.save(optimizer.state_dict(), tag_dir / "optimizer.pt")
+
+    def load_state(self, tag_dir: Path, model, optimizer) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        params = load_file(str(tag_dir / "trainable.safetensors"))
+        m = self.unwrap(model)
+        unknown = set(params) - set(m.state_dict())
+        if unknown:
+            raise QevolveError(f"{tag_dir}: checkpoint does not match the model (e.g. {sorted(unknown)[0]}); "
+                               "delete it to start over")
+        m.load_state_dict(params, strict=False)
+        optimizer.load_state_dict(torch.load(tag_dir / "optimizer.pt", map_location="cpu", weights_only=True))
 
     def optimizer_step(self, model, optimizer, params, max_norm: float) -> float:
         """Clip (``max_norm`` > 0) and step -> the gradient norm before clipping."""
@@ -531,10 +564,11 @@ class DeepSpeedBackend(TorchBackend):
     exact token-weighted mean of the whole optimiser step. ``engine.step()`` is the accumulation
     boundary (``managed_gradient_accumulation: false``), gradient clipping is DeepSpeed's
     (``gradient_clipping`` = ``max_grad_norm``) and the LR schedule is ours (a ``LambdaLR`` on the
-    client AdamW, stepped after every optimiser step). Epoch checkpoints are not written.
+    client AdamW, stepped after every optimiser step). Checkpoints are DeepSpeed's own
+    (:meth:`save_state`).
     """
 
-    supports_checkpoints = False
+    checkpoint_kind = "deepspeed"
 
     def __init__(self, config_path: str | Path, precision: str, device: str = "auto", grad_accum: int = 1,
                  max_grad_norm: float = 1.0):
@@ -604,6 +638,22 @@ class DeepSpeedBackend(TorchBackend):
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return _dist_sum(values, self.device)
 
+    def _frozen(self) -> bool:
+        return any(not p.requires_grad for p in self.engine.module.parameters())
+
+    def save_state(self, tag_dir: Path, model, optimizer) -> None:
+        """``engine.save_checkpoint`` (a collective): the module's trainable weights (frozen ones, e.g. the
+        base model under a LoRA adapter, are left out), every rank's ZeRO partition of the fp32 master
+        weights and Adam moments (and its parameter shard under ZeRO-3) in ``tag_dir/engine/``."""
+        self.engine.save_checkpoint(str(tag_dir), tag="engine", client_state={}, save_latest=False,
+                                    exclude_frozen_parameters=self._frozen())
+
+    def load_state(self, tag_dir: Path, model, optimizer) -> None:
+        path, _ = self.engine.load_checkpoint(str(tag_dir), tag="engine", load_module_strict=not self._frozen(),
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise QevolveError(f"{tag_dir}: DeepSpeed found no checkpoint to load; delete it to start over")
+
 
 def _dist_sum(values: list[float], device: str) -> list[float]:
     import torch
@@ -638,54 +688,167 @@ def make_backend(args: TrainArgs, grad_accum: int = 1):
 
 # --------------------------------------------------------------------------- checkpoints
 
+KILL_AFTER_CHECKPOINT = "QEVOLVE_KILL_AFTER_CHECKPOINT"
+
 
 def _trainable_state(model) -> dict:
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k in names}
 
 
-def save_checkpoint(ckpt_dir: Path, model, optimizer, scheduler, epoch: int, step: int,
-                    extra: dict[str, Any] | None = None) -> None:
-    """Atomic epoch-boundary checkpoint (trainable params in safetensors; the rest via torch.save)."""
+def checkpoint_tag(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's python / numpy / torch (and CUDA) RNG states, loadable with ``weights_only``."""
+    import numpy as np
+    import torch
+
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                          "numpy": (kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    kind, key, pos, has_gauss, gauss = st["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` (a checkpoint is committed only once its files are on disk)."""
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def start_checkpoint(ckpt_dir: Path, tag: str, is_main: bool) -> Path:
+    """The (empty) directory of checkpoint ``tag``; one left by an attempt that died before committing it is
+    cleared first (rank 0; the caller then waits for it on a barrier)."""
+    tag_dir = Path(ckpt_dir) / tag
+    if is_main:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        tag_dir.mkdir(parents=True)
+    return tag_dir
+
+
+def commit_checkpoint(ckpt_dir: Path, pointer: str, meta: dict[str, Any]) -> None:
+    """Make ``meta["tag"]`` THE checkpoint: replace the pointer file atomically, then remove the other
+    ``step*`` directories (the previous checkpoint, uncommitted leftovers). A kill at any moment leaves
+    either the previous checkpoint or the new one, both complete. Rank 0 only."""
+    from qevolve_cli.atomic import write_json
+
+    write_json(Path(ckpt_dir) / pointer, meta)
+    for d in Path(ckpt_dir).glob("step*"):
+        if d.name != meta["tag"] and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def read_checkpoint_pointer(ckpt_dir: Path, pointer: str = "meta.json") -> dict[str, Any] | None:
+    """The committed checkpoint's pointer (None when there is none); one-line errors for a broken one."""
+    p = Path(ckpt_dir) / pointer
+    if not p.is_file():
+        return None
+    try:
+        meta = json.loads(p.read_text())
+    except ValueError:
+        raise QevolveError(f"{p}: unreadable checkpoint pointer; delete {ckpt_dir} to start over") from None
+    if not isinstance(meta, dict) or "tag" not in meta:
+        raise QevolveError(f"{ckpt_dir}: checkpoint of an older qevolve version (no tag); delete it to start over")
+    if not (Path(ckpt_dir) / str(meta["tag"])).is_dir():
+        raise QevolveError(f"{ckpt_dir}: the committed checkpoint {meta['tag']} is missing; delete it to start over")
+    return meta
+
+
+def check_checkpoint_backend(ckpt_dir: Path, meta: dict[str, Any], backend) -> None:
+    """A checkpoint resumes under the backend that wrote it: DeepSpeed ones with the same ranks and ZeRO stage."""
+    kind = getattr(backend, "checkpoint_kind", "torch")
+    if meta.get("backend", "torch") != kind:
+        raise QevolveError(f"{ckpt_dir}: the checkpoint was written by a {meta.get('backend', 'torch')} run, this is a "
+                           f"{kind} run; resume with the same command (or delete it to start over)")
+    if kind == "deepspeed":
+        have = (int(meta.get("world_size", 0)), int(meta.get("zero_stage", -1)))
+        if have != (backend.world_size, backend.stage):
+            raise QevolveError(f"{ckpt_dir}: the checkpoint was written by {have[0]} ranks with ZeRO-{have[1]}, this run "
+                               f"has {backend.world_size} with ZeRO-{backend.stage}; resume with the same launch "
+                               "(or delete it to start over)")
+
+
+def checkpoint_meta(backend) -> dict[str, Any]:
+    kind = getattr(backend, "checkpoint_kind", "torch")
+    meta: dict[str, Any] = {"backend": kind}
+    if kind == "deepspeed":
+        meta.update(world_size=backend.world_size, zero_stage=backend.stage)
+    return meta
+
+
+def kill_after_checkpoint(step: int) -> None:
+    """Fault injection for the recovery tests: with ``QEVOLVE_KILL_AFTER_CHECKPOINT=K`` in the environment the
+    process SIGKILLs itself right after the checkpoint of step K is committed (every rank does: a node lost)."""
+    if os.environ.get(KILL_AFTER_CHECKPOINT) == str(step):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: dict[str, int],
+                     extra: dict[str, Any] | None = None) -> None:
+    """Checkpoint of the loop at ``pos`` (``epoch``, ``epoch_step``: steps done in it, ``step``: global);
+    collective: every rank calls it.
+
+    ``ckpt_dir/stepNNNNNNNN/`` gets the backend's state (:meth:`TorchBackend.save_state`,
+    :meth:`DeepSpeedBackend.save_state`), one RNG file per rank, and from rank 0 ``state.pt``
+    (scheduler, position) and ``extra.safetensors`` (the caller's tensors: pi_old / pi_ref log-probs);
+    every rank fsyncs, all wait, then rank 0 commits it (:func:`commit_checkpoint`).
+    """
     import torch
     from safetensors.torch import save_file
 
-    from qevolve_cli.atomic import atomic_dir
-
-    with atomic_dir(ckpt_dir) as tmp:
-        save_file(_trainable_state(model), str(tmp / "trainable.safetensors"))
+    tag = checkpoint_tag(pos["step"])
+    tag_dir = start_checkpoint(Path(ckpt_dir), tag, backend.is_main)
+    backend.barrier()
+    backend.save_state(tag_dir, model, optimizer)
+    torch.save(rng_state(), tag_dir / f"rng_rank{backend.rank}.pt")
+    if backend.is_main:
+        torch.save({"scheduler": scheduler.state_dict(), **pos}, tag_dir / "state.pt")
         tensors = {k: v for k, v in (extra or {}).items() if isinstance(v, torch.Tensor)}
         if tensors:
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "extra.safetensors"))
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "epoch": epoch,
-                "step": step,
-            },
-            tmp / "state.pt",
-        )
-        (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, "step": step}) + "\n")
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tag_dir / "extra.safetensors"))
+    fsync_tree(tag_dir)
+    backend.barrier()
+    if backend.is_main:
+        commit_checkpoint(Path(ckpt_dir), "meta.json", {"tag": tag, **pos, **checkpoint_meta(backend)})
+    backend.barrier()
+    kill_after_checkpoint(pos["step"])
 
 
-def load_checkpoint(ckpt_dir: Path, model, optimizer, scheduler) -> tuple[int, int, dict[str, Any]]:
-    """Load a checkpoint written by :func:`save_checkpoint` -> (epochs done, step, extra tensors)."""
+def load_checkpoint(backend, ckpt_dir: Path, meta: dict[str, Any], model, optimizer,
+                    scheduler) -> tuple[dict[str, int], dict[str, Any]]:
+    """Load the committed checkpoint ``meta`` -> (position, extra tensors); every rank calls it."""
     import torch
     from safetensors.torch import load_file
 
-    params = load_file(str(ckpt_dir / "trainable.safetensors"))
-    missing = set(params) - set(model.state_dict())
-    if missing:
-        raise QevolveError(f"{ckpt_dir}: checkpoint does not match the model (e.g. {sorted(missing)[0]})")
-    model.load_state_dict(params, strict=False)
-    st = torch.load(ckpt_dir / "state.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(st["optimizer"])
+    tag_dir = Path(ckpt_dir) / meta["tag"]
+    backend.load_state(tag_dir, model, optimizer)
+    st = torch.load(tag_dir / "state.pt", map_location="cpu", weights_only=True)
     scheduler.load_state_dict(st["scheduler"])
-    torch.set_rng_state(st["torch_rng"])
-    extra = load_file(str(ckpt_dir / "extra.safetensors")) if (ckpt_dir / "extra.safetensors").exists() else {}
-    return int(st["epoch"]), int(st["step"]), extra
+    for g, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        g["lr"] = lr  # the LR of the next step (DeepSpeed's optimiser state need not carry it)
+    rng = tag_dir / f"rng_rank{backend.rank}.pt"
+    set_rng_state(torch.load(rng if rng.is_file() else tag_dir / "rng_rank0.pt", weights_only=True))
+    extra = load_file(str(tag_dir / "extra.safetensors")) if (tag_dir / "extra.safetensors").exists() else {}
+    return {k: int(st[k]) for k in ("epoch", "epoch_step", "step")}, extra
 
 
 # --------------------------------------------------------------------------- the loop
@@ -726,29 +889,29 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, total, warmup, args.lr_scheduler, args.min_lr_ratio)
     )
-    can_ckpt = getattr(backend, "supports_checkpoints", True)
-    if (not can_ckpt and args.ckpt_dir is not None and args.resume
-            and (Path(args.ckpt_dir) / "meta.json").exists()):
-        raise QevolveError(f"{args.ckpt_dir}: an interrupted run left a checkpoint; resuming under DeepSpeed is "
-                           "not supported (delete it to start over, or resume without deepspeed)")
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir is not None else None
+    meta = read_checkpoint_pointer(ckpt_dir) if (ckpt_dir is not None and args.resume) else None
+    if meta is not None:  # refused before DeepSpeed builds its engine
+        check_checkpoint_backend(ckpt_dir, meta, backend)
     model, optimizer, scheduler = backend.prepare(model, optimizer, scheduler)
-    start_epoch, step = 0, 0
-    if can_ckpt and args.ckpt_dir is not None and args.resume and (Path(args.ckpt_dir) / "meta.json").exists():
-        start_epoch, step, extra = load_checkpoint(Path(args.ckpt_dir), backend.unwrap(model), optimizer, scheduler)
+    start_epoch, skip, step = 0, 0, 0
+    if meta is not None:
+        pos, extra = load_checkpoint(backend, ckpt_dir, meta, model, optimizer, scheduler)
+        start_epoch, skip, step = pos["epoch"], pos["epoch_step"], pos["step"]
         if hooks.load_extra_state is not None:
             hooks.load_extra_state(extra)
-    resumed_from = start_epoch
+    resumed_from, resumed_step = start_epoch, step
     log_f = None
     if args.log_path is not None and backend.is_main:
         Path(args.log_path).parent.mkdir(parents=True, exist_ok=True)
-        if start_epoch == 0 and Path(args.log_path).exists():
+        if step == 0 and Path(args.log_path).exists():
             Path(args.log_path).unlink()
-        elif start_epoch > 0 and Path(args.log_path).exists():
-            # drop log lines of the unfinished epoch so that the curve has no duplicates
-            kept = [ln for ln in Path(args.log_path).read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= step]
-            Path(args.log_path).write_text("".join(k + "\n" for k in kept))
+        elif step > 0 and Path(args.log_path).exists():
+            # drop the lines of the steps after the checkpoint (they are run again) and a line cut by the kill
+            Path(args.log_path).write_text("".join(ln + "\n" for ln in Path(args.log_path).read_text().splitlines()
+                                                   if _log_step(ln) is not None and _log_step(ln) <= step))
         log_f = open(args.log_path, "a")  # noqa: SIM115
+    every = max(0, int(args.checkpoint_every_steps))
 
     from qevolve_cli.commands.common import progress
 
@@ -765,7 +928,9 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                 if hooks.on_epoch_start is not None:
                     hooks.on_epoch_start(epoch, model)
                 steps = steps_ep0 if epoch == 0 else make_steps(epoch)
-                for micro_batches in steps:
+                first = skip if epoch == start_epoch else 0  # resumed mid-epoch: these steps are done
+                for i in range(first, len(steps)):
+                    micro_batches = steps[i]
                     if args.max_steps and step >= args.max_steps:
                         done = True
                         break
@@ -812,12 +977,17 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                     bar.update(task, advance=1, info=f"epoch {epoch + 1}/{args.epochs} loss {loss_acc:.4f}")
                     if hooks.on_step is not None:
                         hooks.on_step(step, model)
+                    # checkpoint after every `every`-th step and at the end of every epoch but the last
+                    # (not after the very last step: the caller writes its output right away)
+                    end_of_epoch = i + 1 == len(steps)
+                    if (ckpt_dir is not None and step < total
+                            and ((every and step % every == 0) or (end_of_epoch and epoch + 1 < args.epochs))):
+                        pos = ({"epoch": epoch + 1, "epoch_step": 0, "step": step} if end_of_epoch
+                               else {"epoch": epoch, "epoch_step": i + 1, "step": step})
+                        extra = hooks.extra_state() if hooks.extra_state is not None else None
+                        write_checkpoint(backend, ckpt_dir, model, optimizer, scheduler, pos, extra)
                 if done:
                     break
-                if can_ckpt and args.ckpt_dir is not None and backend.is_main and epoch + 1 < args.epochs:
-                    extra = hooks.extra_state() if hooks.extra_state is not None else None
-                    save_checkpoint(Path(args.ckpt_dir), backend.unwrap(model), optimizer, scheduler,
-                                    epoch + 1, step, extra)
                 backend.barrier()
     finally:
         if log_f is not None:
@@ -830,7 +1000,15 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
         tokens=tokens_total,
         last_metrics={k: v for k, v in last.items() if isinstance(v, (int, float))},
         history=history,
+        resumed_from_step=resumed_step,
     )
+
+
+def _log_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def remove_checkpoint(ckpt_dir: Path | None) -> None:

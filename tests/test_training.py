@@ -51,9 +51,9 @@ def _model():
     return torch.nn.Linear(4, 1)
 
 
-def _loss_fn(x, y, fail_at_epoch=None):
+def _loss_fn(x, y, fail_at_epoch=None, fail_at_step=None):
     def fn(model, idx, ctx):
-        if fail_at_epoch is not None and ctx["epoch"] == fail_at_epoch:
+        if (fail_at_epoch is not None and ctx["epoch"] == fail_at_epoch) or ctx["step"] == fail_at_step:
             raise KeyboardInterrupt
         pred = model(x[idx]).squeeze(-1)
         return ((pred - y[idx]) ** 2).mean(), {"mse": 0.0}
@@ -107,6 +107,49 @@ def test_interrupted_run_resumes_after_last_finished_epoch(tmp_path):
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]  # no duplicated or missing curve points
     ref_log = [json.loads(x) for x in (tmp_path / "ref" / "log.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in log] == pytest.approx([r["loss"] for r in ref_log])
+
+
+def test_mid_epoch_checkpoint_resumes_at_the_next_step(tmp_path):
+    """checkpoint_every_steps=3 (4 steps per epoch): the checkpoint after step 6 is in the middle of epoch 2;
+    a run that dies in step 8 resumes at step 7 with the same batch order, the latest extra state, the
+    same weights and a curve without duplicated or missing steps; a directory left by a checkpoint that
+    was never committed is ignored and then removed."""
+    from qevolve_cli.errors import QevolveError
+
+    x, y = _data(24)
+    ref = _model()
+    train_loop(ref, steps_for(24), _loss_fn(x, y), _args(tmp_path / "ref"))
+    seen = {"step": 0}
+    got = {}
+    hooks = Hooks(on_step=lambda step, m: seen.update(step=step),
+                  extra_state=lambda: {"old": torch.tensor([float(seen["step"])])}, load_extra_state=got.update)
+    args = _args(tmp_path / "run", checkpoint_every_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        train_loop(_model(), steps_for(24), _loss_fn(x, y, fail_at_step=7), args, hooks=hooks)
+    ck = tmp_path / "run" / "ckpt"
+    meta = json.loads((ck / "meta.json").read_text())
+    assert {k: meta[k] for k in ("epoch", "epoch_step", "step", "backend")} == \
+        {"epoch": 1, "epoch_step": 2, "step": 6, "backend": "torch"}
+    assert sorted(p.name for p in ck.iterdir()) == ["meta.json", "step00000006"]  # the earlier ones were replaced
+    assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 7  # step 7 ran after the checkpoint
+    (ck / "step00000007").mkdir()  # an uncommitted checkpoint of a run that died while writing it
+    m = _model()
+    r = train_loop(m, steps_for(24), _loss_fn(x, y), args, hooks=hooks)
+    assert (r.resumed_from_epoch, r.resumed_from_step, r.steps) == (1, 6, 12)
+    assert float(got["old"][0]) == 6.0  # the extra state of step 6
+    for p1, p2 in zip(ref.parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-7)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    ref_log = [json.loads(x) for x in (tmp_path / "ref" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert [r["epoch"] for r in log] == [r["epoch"] for r in ref_log]
+    for k in ("loss", "lr", "grad_norm"):
+        assert [r[k] for r in log] == pytest.approx([r[k] for r in ref_log], rel=1e-6), k
+    assert sorted(p.name for p in ck.iterdir()) == ["meta.json", "step00000009"]  # committed again, leftover gone
+    # a checkpoint resumes only under the backend that wrote it (one-line error, nothing trained)
+    (ck / "meta.json").write_text(json.dumps({**meta, "tag": "step00000009", "backend": "deepspeed"}))
+    with pytest.raises(QevolveError, match="written by a deepspeed run, this is a torch run"):
+        train_loop(_model(), steps_for(24), _loss_fn(x, y), args)
 
 
 def test_grad_clipping_and_no_trainable_params(tmp_path):

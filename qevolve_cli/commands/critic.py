@@ -36,8 +36,9 @@ taken from it when present, else computed with --model's tokenizer and chat temp
 Writes OUT atomically: adapters/{value,q,q_target} (PEFT), heads.safetensors,
 critic.json, config.yaml (resolved), metrics.jsonl (losses, mean V / Q, TD error and the
 held-out diagnostics per epoch), diagnostics.json, summary.json and the tokenizer. An
-interrupted run resumes from OUT.partial/ (one checkpoint per epoch) when started again
-with the same arguments.
+interrupted run (also under DeepSpeed) resumes from OUT.partial/ when started again with
+the same arguments: a checkpoint per epoch and, with --set checkpoint_every_steps=N, every
+N updates.
 \b
 Diagnostics (docs/critic.md#diagnostics): 10 % of the trajectories (heldout_fraction) are
 held out by traj_id; after every epoch the critic is scored on them: Bellman errors of Q

@@ -39,8 +39,9 @@ dpo  : per task, the expert trajectory against each self trajectory with a
 \b
 Writes OUT atomically: model weights (safetensors) or a LoRA adapter, the
 tokenizer files, config.yaml (resolved), metrics.jsonl (loss per optimiser
-step) and train_summary.json. An interrupted run resumes at its last finished
-epoch when started again with the same arguments.
+step) and train_summary.json. An interrupted run (also under DeepSpeed) resumes
+at its last checkpoint when started again with the same arguments: checkpoints
+are written at epoch ends and, with --set checkpoint_every_steps=N, every N steps.
 \b
 Examples:
   qevolve policy --objective bc --data expert.parquet --model tiny/ --out bc/

@@ -88,13 +88,19 @@ class CriticConfig(ConfigBase):
                                            "(docs/critic.md#diagnostics).")
     diag_lambda: float = field(0.95, help="GAE lambda of the advantages in the diagnostics (r_env only, as the "
                                           "paper's process reward).", ge=0, le=1)
-    checkpoint: bool = field(True, help="Save a resumable checkpoint after every epoch (OUT.partial/; not under DeepSpeed).")
+    checkpoint: bool = field(True, help="Save a resumable checkpoint after every epoch into OUT.partial/ (under "
+                                        "DeepSpeed too); an interrupted run resumes when started again.")
+    checkpoint_every_steps: int = field(0, help="Also checkpoint every N optimisation steps (Q and V updates counted "
+                                               "together; written after the batch that reaches it; 0 = epoch ends "
+                                               "only). The run then resumes mid-epoch at the next batch.", ge=0)
     deepspeed: str | None = field(None, help="DeepSpeed config for data-parallel training (ZeRO stage 0-2, e.g. "
                                              "configs/deepspeed/zero2.json; stage 3 is refused); launch with torchrun.")
 
     def validate(self, source: Any = None, prefix: str = "") -> None:
         if not self.lora_target_modules:
             raise ConfigError(source, prefix + "lora_target_modules", "must name at least one module")
+        if self.checkpoint_every_steps and not self.checkpoint:
+            raise ConfigError(source, prefix + "checkpoint_every_steps", "needs checkpoint: true (checkpoints are off)")
 
     def peft_target_modules(self) -> str | list[str]:
         t = list(self.lora_target_modules)

@@ -37,13 +37,24 @@ import numpy as np
 import torch
 
 from qevolve_cli.algos import critic_q_loss, critic_v_loss, td_target
-from qevolve_cli.atomic import atomic_dir, atomic_path
+from qevolve_cli.atomic import atomic_dir
 from qevolve_cli.config import dump_yaml
 from qevolve_cli.critic.config import CriticConfig
 from qevolve_cli.critic.data import TrajItem, attach_targets, build_items, collate, load_table, sample_steps
 from qevolve_cli.critic.model import CriticModel
 from qevolve_cli.errors import QevolveError
-from qevolve_cli.training import lr_lambda
+from qevolve_cli.training import (
+    check_checkpoint_backend,
+    checkpoint_meta,
+    checkpoint_tag,
+    commit_checkpoint,
+    fsync_tree,
+    kill_after_checkpoint,
+    lr_lambda,
+    rng_state,
+    set_rng_state,
+    start_checkpoint,
+)
 
 ProgressFn = Callable[[int, str], None]  # (batches advanced, info text)
 
@@ -177,14 +188,31 @@ class CriticTrainer:
             self.critic.ema_update(self.cfg.ema_lambda)
 
     # ---------------------------------------------------------------- epoch
-    def run_epoch(self, epoch: int, progress: ProgressFn | None = None) -> dict[str, Any]:
+    def run_epoch(self, epoch: int, progress: ProgressFn | None = None, resume: dict[str, Any] | None = None,
+                  after_batch: Callable[[int, int, Callable[[], dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+        """One pass over the trajectories -> the epoch's metrics.
+
+        ``resume``: the ``epoch_state`` of a mid-epoch checkpoint (batches done, the sampling RNG's state,
+        the running sums): the epoch continues at the next batch with the same order and draws.
+        ``after_batch(batches_done, updates_before, state)``: called after every batch but the epoch's last
+        (mid-epoch checkpoints); ``state()`` is the epoch state to save.
+        """
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, epoch])
         order = rng.permutation(len(self.items))
         sums: dict[str, list[float]] = {}
         counts = {"q_updates": 0, "v_updates": 0, "forward_calls": 0, "forward_rows": 0, "transitions": 0}
+        first, secs0 = 0, 0.0
+        if resume is not None:
+            rng.bit_generator.state = resume["rng"]
+            sums = {k: list(v) for k, v in resume["sums"].items()}
+            counts = dict(resume["counts"])
+            first, secs0 = int(resume["batch"]), float(resume["seconds"])
+        n_batches = math.ceil(len(order) / cfg.batch_size)
         t0 = time.perf_counter()
-        for start in range(0, len(order), cfg.batch_size):
+        for bi in range(first, n_batches):
+            start = bi * cfg.batch_size
+            n_before = self.n
             chosen = order[start:start + cfg.batch_size]
             picks = [(int(i), sample_steps(self.items[i], cfg.steps_per_traj, rng)) for i in chosen]
             share, step_share = 1.0, 1.0
@@ -211,7 +239,11 @@ class CriticTrainer:
             if progress is not None:
                 last = {k: v[-1] for k, v in sums.items() if k in ("loss_q", "loss_v")}
                 progress(1, f"epoch {epoch + 1} " + " ".join(f"{k}={v:.4f}" for k, v in last.items()))
-        secs = time.perf_counter() - t0
+            if after_batch is not None and bi + 1 < n_batches:
+                after_batch(bi + 1, n_before, lambda bi=bi: {
+                    "batch": bi + 1, "rng": rng.bit_generator.state, "sums": sums, "counts": counts,
+                    "seconds": secs0 + time.perf_counter() - t0})
+        secs = secs0 + time.perf_counter() - t0
         out: dict[str, Any] = {"epoch": epoch + 1}
         for k in ("loss_q", "loss_v", "mean_q", "mean_v", "mean_qbar", "mean_y", "td_error"):
             out[k] = float(np.mean(sums[k])) if k in sums else None
@@ -285,6 +317,49 @@ class CriticTrainer:
         self.q.load_state_dict(s["q"])
         self.v.load_state_dict(s["v"])
         self.n = int(s["n"])
+
+    def target_state(self) -> dict[str, Any]:
+        """A copy of the EMA target (the q_target adapter and the q1/q2 target heads): trained by no optimiser,
+        so no engine checkpoint holds it."""
+        heads = {f"{h}.{k}": v.detach().cpu().clone() for h in ("q1_target", "q2_target")
+                 for k, v in self.critic.heads[h].state_dict().items()}
+        return {"adapters": {n: p.detach().cpu().clone() for n, p in self.critic.backbone.named_parameters()
+                             if ".q_target." in n}, "heads": heads}
+
+    def load_target_state(self, s: dict[str, Any]) -> None:
+        params = dict(self.critic.backbone.named_parameters())
+        with torch.no_grad():
+            for n, t in s["adapters"].items():
+                if n not in params:
+                    raise QevolveError(f"checkpoint: unknown adapter tensor {n}")
+                params[n].copy_(t)
+        res = self.critic.heads.load_state_dict(s["heads"], strict=False)
+        if res.unexpected_keys:
+            raise QevolveError(f"checkpoint: unknown head tensor {res.unexpected_keys[0]}")
+
+    def save_engines(self, tag_dir: Path) -> None:
+        """DeepSpeed: each branch's engine writes its own checkpoint (``engine.save_checkpoint``, a collective:
+        every rank writes its ZeRO partition of that branch's Adam state) into ``tag_dir/q`` and ``tag_dir/v``;
+        the Q engine's carries the EMA target, the update counter and the two LR-schedule positions."""
+        client = {"ema_target": self.target_state(), "n": self.n, "q_step": self.q.step_i, "v_step": self.v.step_i}
+        for name, g, cs in (("q", self.q, client), ("v", self.v, {})):
+            g.engine.save_checkpoint(str(tag_dir), tag=name, client_state=cs, save_latest=False,
+                                     exclude_frozen_parameters=True)
+
+    def load_engines(self, tag_dir: Path) -> None:
+        client: dict[str, Any] = {}
+        for name, g in (("q", self.q), ("v", self.v)):
+            path, cs = g.engine.load_checkpoint(str(tag_dir), tag=name, load_module_strict=False,
+                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+            if path is None:
+                raise QevolveError(f"{tag_dir}: DeepSpeed found no checkpoint of the {name} engine; delete it to start over")
+            if name == "q":
+                client = cs
+        self.load_target_state(client["ema_target"])
+        self.n = int(client["n"])
+        for g, key in ((self.q, "q_step"), (self.v, "v_step")):
+            g.step_i = int(client[key])
+            g._set_lr()
 
 
 def split_heldout(items: list[TrajItem], df: Any, fraction: float) -> tuple[list[TrajItem], list[TrajItem]]:
@@ -383,6 +458,18 @@ def _partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def _read_progress(partial: Path) -> dict[str, Any] | None:
+    """The committed checkpoint's ``progress.json`` (None: none, unreadable, or of an older version)."""
+    p = partial / "progress.json"
+    try:
+        info = json.loads(p.read_text()) if p.is_file() else None
+    except ValueError:
+        return None
+    if not isinstance(info, dict) or "tag" not in info or not (partial / str(info["tag"])).is_dir():
+        return None
+    return info
+
+
 def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Path, *,
                  tokenizer: Any = None, progress: Callable[[int], ProgressFn] | None = None,
                  resume: bool = True) -> dict[str, Any]:
@@ -391,8 +478,10 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     ``data``: path of a labelled table (``qevolve label``) or a validated frame.
     ``model``: base model directory (the frozen backbone; its tokenizer renders the transcripts).
     ``progress``: optional factory ``total_batches -> callback(advance, info)``.
-    An interrupted run leaves ``out.partial/`` (one checkpoint per epoch) and resumes from it
-    when called again with the same configuration and data.
+    An interrupted run leaves ``out.partial/`` (a checkpoint after every epoch and, with
+    ``checkpoint_every_steps``, every N updates; under DeepSpeed the engines' own checkpoints) and
+    resumes from it when called again with the same configuration, data and launch: mid-epoch at the
+    next batch, with the same batch order and step draws.
     """
     out = Path(out)
     t_start = time.perf_counter()
@@ -419,26 +508,67 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     # early stopping on the held-out Bellman error (early_stop_metric)
     stop = {"best": None, "best_epoch": 0, "bad": 0, "stopped_at": None}
     best_state: dict[str, Any] | None = None
-    ck = partial / "state.pt"
-    if resume and ck.is_file() and ds is None:  # DeepSpeed runs write no checkpoints and start over
-        info = json.loads((partial / "progress.json").read_text())
-        if info.get("fingerprint") == fingerprint:
-            trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=True))
-            metrics = info["metrics"]
-            start_epoch = int(info["epochs_done"])
-            stop = info.get("early_stop", stop)
-            if (partial / "best.pt").is_file():
-                best_state = torch.load(partial / "best.pt", map_location="cpu", weights_only=True)
+    epoch_resume: dict[str, Any] | None = None  # the epoch state of a mid-epoch checkpoint
+    info = _read_progress(partial) if resume else None
+    if info is not None and info.get("fingerprint") == fingerprint:
+        check_checkpoint_backend(partial, info, ds)
+        tag_dir = partial / info["tag"]
+        if ds is None:
+            trainer.load_state_dict(torch.load(tag_dir / "state.pt", map_location="cpu", weights_only=True))
         else:
-            shutil.rmtree(partial, ignore_errors=True)
+            trainer.load_engines(tag_dir)
+        rng_file = tag_dir / f"rng_rank{trainer.rank}.pt"
+        set_rng_state(torch.load(rng_file if rng_file.is_file() else tag_dir / "rng_rank0.pt", weights_only=True))
+        metrics = info["metrics"]
+        start_epoch = int(info["epoch"])
+        epoch_resume = info.get("epoch_state")
+        stop = info.get("early_stop", stop)
+        if (tag_dir / "best.pt").is_file():
+            best_state = torch.load(tag_dir / "best.pt", map_location="cpu", weights_only=True)
+    elif resume and main and partial.exists():  # another configuration or data (or an unreadable leftover): start over
+        shutil.rmtree(partial, ignore_errors=True)
+    if ds is not None:
+        ds.barrier()  # every rank has read the checkpoint before anything is removed or written
+    resumed_step = trainer.n
+
+    def save_checkpoint(progress_info: dict[str, Any]) -> None:
+        """Checkpoint ``trainer.n`` (every rank calls it): see :func:`qevolve_cli.training.write_checkpoint`
+        for the layout and the commit (here the pointer is ``progress.json``)."""
+        tag = checkpoint_tag(trainer.n)
+        tag_dir = start_checkpoint(partial, tag, main)
+        if ds is not None:
+            ds.barrier()
+            trainer.save_engines(tag_dir)
+        else:
+            torch.save(trainer.state_dict(), tag_dir / "state.pt")
+        torch.save(rng_state(), tag_dir / f"rng_rank{trainer.rank}.pt")
+        if main and best_state is not None:
+            torch.save(best_state, tag_dir / "best.pt")
+        fsync_tree(tag_dir)
+        if ds is not None:
+            ds.barrier()
+        if main:
+            commit_checkpoint(partial, "progress.json", {"tag": tag, "fingerprint": fingerprint, "metrics": metrics,
+                                                         "early_stop": stop, **progress_info, **checkpoint_meta(ds)})
+        if ds is not None:
+            ds.barrier()
+        kill_after_checkpoint(trainer.n)
 
     use_stop = cfg.early_stop_patience > 0 and bool(heldout)
     n_batches = math.ceil(len(items) / cfg.batch_size)
-    cb = progress((cfg.epochs - start_epoch) * n_batches) if (progress and main) else None
+    done_batches = int(epoch_resume["batch"]) if epoch_resume else 0
+    cb = progress((cfg.epochs - start_epoch) * n_batches - done_batches) if (progress and main) else None
+    every = cfg.checkpoint_every_steps if cfg.checkpoint else 0
     for epoch in range(start_epoch, cfg.epochs):
         if stop["stopped_at"] is not None:
             break
-        m = trainer.run_epoch(epoch, cb)
+
+        def mid_epoch(batches: int, n_before: int, state: Callable[[], dict[str, Any]], epoch: int = epoch) -> None:
+            if trainer.n // every > n_before // every:  # this batch reached a multiple of checkpoint_every_steps
+                save_checkpoint({"epoch": epoch, "epochs_done": epoch, "epoch_state": state()})
+
+        m = trainer.run_epoch(epoch, cb, resume=epoch_resume if epoch == start_epoch else None,
+                              after_batch=mid_epoch if every else None)
         if heldout:
             m["heldout"] = evaluate_items(trainer, heldout, df, cfg)
             b = m["heldout"].get(cfg.early_stop_metric)
@@ -456,16 +586,8 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
                     stop["stopped_at"] = epoch + 1
         metrics.append(m)
         last = epoch + 1 >= cfg.epochs or stop["stopped_at"] is not None
-        if cfg.checkpoint and ds is None and not last:
-            partial.mkdir(parents=True, exist_ok=True)
-            if best_state is not None and stop["best_epoch"] == epoch + 1:
-                with atomic_path(partial / "best.pt") as tmp:
-                    torch.save(best_state, tmp)
-            with atomic_path(ck) as tmp:
-                torch.save(trainer.state_dict(), tmp)
-            with atomic_path(partial / "progress.json") as tmp:
-                tmp.write_text(json.dumps({"fingerprint": fingerprint, "epochs_done": epoch + 1, "metrics": metrics,
-                                           "early_stop": stop}))
+        if cfg.checkpoint and not last:
+            save_checkpoint({"epoch": epoch + 1, "epochs_done": epoch + 1, "epoch_state": None})
     restored = None
     if use_stop and cfg.restore_best and best_state is not None and stop["best_epoch"] != len(metrics):
         trainer.load_adapter_state(best_state)
@@ -486,6 +608,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
         "heldout_trajectories": len(heldout),
         "steps": int(sum(it.usable.sum() for it in items)), "skipped_steps": skipped_steps,
         "epochs": cfg.epochs, "epochs_run": len(metrics), "resumed_from_epoch": start_epoch,
+        "resumed_from_step": resumed_step,
         "early_stopped_at": stop["stopped_at"], "best_epoch": stop["best_epoch"] if heldout else None,
         "restored_epoch": restored,
         "final": metrics[-1] if metrics else None,

@@ -82,6 +82,9 @@ class PolicyConfig(ConfigBase):
                                              "launch with accelerate/deepspeed/torchrun.")
     max_steps: int = field(0, help="Stop after this many optimiser steps (0 = all epochs; for smoke tests).",
                            ge=0)
+    checkpoint_every_steps: int = field(0, help="Also checkpoint every N optimiser steps, not only at epoch ends "
+                                               "(0 = epoch ends only); an interrupted run resumes at the next step "
+                                               "(docs/evolve.md#what-survives-a-failure).", ge=0)
 
     def validate(self, source: Any = None, prefix: str = "") -> None:
         if self.eps_low >= 1.0 and self.objective == "bppo":

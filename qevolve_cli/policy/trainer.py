@@ -11,9 +11,10 @@ Output (written atomically: temp dir + rename): a model directory that
 transformers and vLLM load directly (full weights as safetensors + tokenizer
 files, or a PEFT LoRA adapter + tokenizer files), ``config.yaml`` (the
 resolved :class:`PolicyConfig` plus the inputs), ``metrics.jsonl`` (one line
-per optimiser step) and ``train_summary.json``. Work in progress (epoch
-checkpoints, the running log) lives in a hidden sibling ``.<out>.work/`` so
-that an interrupted run resumes after its last finished epoch.
+per optimiser step) and ``train_summary.json``. Work in progress (checkpoints
+at epoch ends and every ``checkpoint_every_steps`` steps, the running log) lives
+in a hidden sibling ``.<out>.work/`` so that an interrupted run, started again
+with the same command, resumes at the next optimiser step (under DeepSpeed too).
 """
 from __future__ import annotations
 
@@ -298,7 +299,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         lr_scheduler=cfg.lr_scheduler, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
         precision=cfg.precision, device=cfg.device, log_path=work / "metrics.jsonl", ckpt_dir=work / "ckpt",
         deepspeed=Path(cfg.deepspeed) if cfg.deepspeed else None, quiet=quiet, desc=f"policy {cfg.objective}",
-        max_steps=cfg.max_steps,
+        max_steps=cfg.max_steps, checkpoint_every_steps=cfg.checkpoint_every_steps,
     )
     backend = make_backend(args, cfg.grad_accum_steps)
     device = backend.device
@@ -431,6 +432,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         "optimizer_steps": result.steps,
         "epochs": cfg.epochs,
         "resumed_from_epoch": result.resumed_from_epoch,
+        "resumed_from_step": result.resumed_from_step,
         "train_tokens": result.tokens,
         "target_tokens": before["tokens"],
         "train_seconds": round(result.seconds, 3),

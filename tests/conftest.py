@@ -63,6 +63,30 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+def ds_env() -> dict[str, str]:
+    """qevolve_env() for DeepSpeed on its CPU accelerator (one OpenMP thread per rank, no GPU)."""
+    env = qevolve_env()
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # ninja for DeepSpeed's JIT ops
+    return env
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu() -> None:
+    """DeepSpeed's CPU accelerator, its shared-memory all-reduce op built once (JIT, cached in
+    ~/.cache/torch_extensions) so that the ranks of the first run do not all wait for the compiler
+    inside their timeouts. Skips when DeepSpeed or a C++ compiler is missing."""
+    import shutil
+
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (`make setup` installs the dev extra)")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("DeepSpeed's CPU accelerator JIT-compiles a C++ op: no C++ compiler found")
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    proc = subprocess.run([sys.executable, "-c", code], env=ds_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"building DeepSpeed's CPU comm op failed:\n{proc.stderr[-3000:]}"
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (tiny models on 2 shared cores: more threads only spin)."""

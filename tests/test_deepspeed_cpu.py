@@ -8,8 +8,6 @@ trained weights and the logged loss curve equal the single-process ones up to fl
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,22 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, qevolve_env, run_qevolve
+from tests.conftest import ROOT, ds_env, run_qevolve
 from tests.test_critic import labelled
 from tests.test_policy import make_baseline_table, make_table
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (`make setup` installs the dev extra)")
+pytestmark = pytest.mark.usefixtures("deepspeed_cpu")  # its CPU comm op built once (conftest)
 
 ZERO2 = ROOT / "configs" / "deepspeed" / "zero2.json"
 ZERO3 = ROOT / "configs" / "deepspeed" / "zero3.json"
 KILL = "QEVOLVE_KILL_AFTER_CHECKPOINT"
-
-
-def ds_env() -> dict[str, str]:
-    env = qevolve_env()
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # ninja for DeepSpeed's JIT ops
-    return env
 
 
 def torchrun(*args, nproc: int = 2, timeout: float = 300, kill_after: int | None = None) -> subprocess.CompletedProcess:
@@ -56,18 +48,6 @@ def torchrun(*args, nproc: int = 2, timeout: float = 300, kill_after: int | None
     # training.shutdown_distributed); a clean teardown prints nothing about it
     assert "terminate called" not in proc.stderr and "destroy_process_group" not in proc.stderr, proc.stderr[-3000:]
     return proc
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shm_comm_op():
-    """Build DeepSpeed's CPU shared-memory all-reduce op once (JIT, cached in ~/.cache/torch_extensions)
-    so that the two ranks of the first test do not both wait for the compiler inside their timeouts."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("DeepSpeed's CPU accelerator JIT-compiles a C++ op: no C++ compiler found")
-    code = ("from deepspeed.accelerator import get_accelerator; "
-            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
-    proc = subprocess.run([sys.executable, "-c", code], env=ds_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"building DeepSpeed's CPU comm op failed:\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +122,23 @@ def last_json(stdout: str) -> dict:
     return json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
 
 
+def qevolve_here(*args) -> dict:
+    """``qevolve ARGS --json`` in this process (Typer's CliRunner, the same command without another interpreter
+    start, ~6 s) -> its summary. One torch thread, as the subprocesses (OMP_NUM_THREADS=1 in ds_env)."""
+    from typer.testing import CliRunner
+
+    from qevolve_cli.cli import app
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = CliRunner().invoke(app, [str(a) for a in args])
+    finally:
+        torch.set_num_threads(n)
+    assert r.exit_code == 0, (r.output[-3000:], r.exception)
+    return last_json(r.stdout)
+
+
 @pytest.fixture(scope="module")
 def bppo_runs(policy_table, tiny_model_dir, tmp_path_factory) -> Path:
     """BPPO in one process, uninterrupted (``plain``), and on 2 ranks under ZeRO-3 (``z3``) SIGKILLed right after
@@ -149,7 +146,7 @@ def bppo_runs(policy_table, tiny_model_dir, tmp_path_factory) -> Path:
     the same command (``z3_killed.json``: what the kill left; ``z3.json``: the resumed run's summary)."""
     d = tmp_path_factory.mktemp("bppo")
     args = ["--data", policy_table, "--model", tiny_model_dir, *BPPO]
-    run_qevolve("policy", *args, "--out", d / "plain", check=True)
+    qevolve_here("policy", *args, "--out", d / "plain")
     z3 = ["policy", *args, "--out", d / "z3", "--set", f"deepspeed={ZERO3}", "--set", "checkpoint_every_steps=1"]
     torchrun(*z3, kill_after=1)
     (d / "z3_killed.json").write_text(json.dumps(killed_run(d / ".z3.work" / "ckpt", d / "z3", "meta.json")))
@@ -159,7 +156,7 @@ def bppo_runs(policy_table, tiny_model_dir, tmp_path_factory) -> Path:
 
 def qevolve_killed_after(step: int, *args) -> None:
     """``qevolve ARGS`` in one process that SIGKILLs itself right after the checkpoint of ``step``."""
-    env = {**qevolve_env(), KILL: str(step)}
+    env = {**ds_env(), KILL: str(step)}  # one torch thread (OMP_NUM_THREADS=1), as the other runs
     proc = subprocess.run([sys.executable, "-m", "qevolve_cli", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -223,7 +220,7 @@ def test_policy_bppo_killed_mid_epoch_in_one_process_resumes_like_the_uninterrup
     killed = killed_run(tmp_path / ".plain.work" / "ckpt", out, "meta.json")
     assert (killed["pointer"]["step"], killed["pointer"]["epoch"], killed["pointer"]["epoch_step"]) == (3, 1, 1)
     assert not killed["out_exists"] and {f.split("/")[0] for f in killed["files"]} == {"meta.json", "step00000003"}
-    summary = json.loads(run_qevolve(*cmd, check=True).stdout)
+    summary = qevolve_here(*cmd)
     assert summary["resumed_from_step"] == 3 and summary["optimizer_steps"] == 4
     assert_same_tensors(load_file(str(out / "adapter_model.safetensors")),
                         load_file(str(bppo_runs / "plain" / "adapter_model.safetensors")), "plain")
@@ -286,7 +283,7 @@ def critic_runs(tiny_model_dir, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("critic")
     schema.write_table(labelled(n_traj=7, mean_steps=3, seed=1), d / "lab.parquet")
     args = ["--data", d / "lab.parquet", "--model", tiny_model_dir, *CRITIC]
-    run_qevolve("critic", *args, "--out", d / "plain", check=True)
+    qevolve_here("critic", *args, "--out", d / "plain")
     z2 = ["critic", *args, "--out", d / "z2", "--set", f"deepspeed={ZERO2}", "--set", "checkpoint_every_steps=1"]
     torchrun(*z2, kill_after=1)
     (d / "z2_killed.json").write_text(json.dumps(killed_run(d / "z2.partial", d / "z2", "progress.json")))
@@ -360,7 +357,7 @@ def test_critic_killed_mid_epoch_in_one_process_resumes_like_the_uninterrupted_r
     prog = killed["pointer"]
     assert (prog["tag"], prog["epoch"], prog["epoch_state"]["batch"], len(prog["metrics"])) == ("step00000003", 1, 1, 1)
     assert not killed["out_exists"] and {f.split("/")[0] for f in killed["files"]} == {"progress.json", "step00000003"}
-    summary = last_json(run_qevolve(*cmd, check=True).stdout)
+    summary = qevolve_here(*cmd)
     assert (summary["resumed_from_epoch"], summary["resumed_from_step"]) == (1, 3)
     for f in CRITIC_FILES:
         assert_same_tensors(load_file(str(out / f)), load_file(str(critic_runs / "plain" / f)), f)

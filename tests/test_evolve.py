@@ -103,13 +103,19 @@ def test_existing_run_needs_resume_and_same_config(smoke_run):
     assert r.returncode == 2 and "another configuration" in r.stderr
 
 
-def test_resume_after_kill_mid_stage(tmp_path):
+def test_resume_after_kill_mid_stage(tmp_path, deepspeed_cpu):
     """A second process on the run directory is refused while the first runs (run-directory lock);
     kill the first with SIGKILL while a stage runs: the kernel frees the lock, and --resume redoes
-    only unfinished stages and completes the run."""
+    only unfinished stages. That resume is SIGKILLed inside the BPPO stage, which runs under DeepSpeed
+    (one rank, ZeRO-2, a checkpoint after every optimiser step), right after the checkpoint of step 2:
+    the next --resume continues that stage at step 3, not from zero, and completes the run."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "qevolve_cli", "evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1",
-            "--run-dir", str(run)]
+    over = tmp_path / "deepspeed_policy.yaml"
+    over.write_text(f"policy:\n  deepspeed: {ROOT / 'configs' / 'deepspeed' / 'zero2.json'}\n"
+                    "  checkpoint_every_steps: 1\n  micro_batch_size: 1\n")
+    evolve = ["evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--config", str(over),
+              "--run-dir", str(run)]
+    args = [sys.executable, "-m", "qevolve_cli", *evolve]
     proc = subprocess.Popen(args, cwd=ROOT, env=qevolve_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     killed_in = None
     refused = None
@@ -123,8 +129,7 @@ def test_resume_after_kill_mid_stage(tmp_path):
                 st = {}
             running = [k for k, v in st.items() if v["status"] == "running"]
             if refused is None and running:  # a second terminal / a scheduler retry, while a stage runs
-                refused = run_qevolve("evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1",
-                                      "--run-dir", run, "--resume")
+                refused = run_qevolve(*evolve, "--resume")
                 assert proc.poll() is None, "the first run ended while the second one started"
                 assert refused.returncode == 2, refused.stderr[-2000:]
                 line = refused.stderr.strip()
@@ -143,14 +148,26 @@ def test_resume_after_kill_mid_stage(tmp_path):
     assert refused is not None, "no second process was started while the first ran"
     before = manifest(run)
     done_before = {k for k, v in before.items() if v["status"] == "done"}
-    r = run_qevolve("evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--run-dir", run, "--resume",
-                    timeout=900)
+    # the resume dies inside the DeepSpeed policy stage, right after its checkpoint of step 2
+    env = {**qevolve_env(), "QEVOLVE_KILL_AFTER_CHECKPOINT": "2"}
+    r = subprocess.run([*args, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-4000:]
+    assert manifest(run)["iter_1/policy"]["status"] == "running"
+    meta = json.loads((run / "iter_1" / ".policy.work" / "ckpt" / "meta.json").read_text())
+    assert (meta["step"], meta["backend"], meta["world_size"], meta["zero_stage"]) == (2, "deepspeed", 1, 2)
+    r = run_qevolve(*evolve, "--resume", timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     after = manifest(run)
     assert list(after) == STAGES_1 and all(v["status"] == "done" for v in after.values())
     for k in done_before:  # nothing finished was redone
         assert after[k]["attempts"] == 1 and after[k]["finished"] == before[k]["finished"]
     assert after[killed_in]["attempts"] == 2
+    pol = after["iter_1/policy"]
+    assert pol["attempts"] == 2 and pol["metrics"]["resumed_from_step"] == 2, pol
+    n = pol["metrics"]["optimizer_steps"]
+    steps = [json.loads(x)["step"] for x in (run / "iter_1" / "policy" / "metrics.jsonl").read_text().splitlines()]
+    assert n > 2 and steps == list(range(1, n + 1))  # every step of the stage once, across the two attempts
+    assert not (run / "iter_1" / ".policy.work").exists()
     assert not list(run.rglob("*.tmp"))
 
 

@@ -219,6 +219,13 @@ def test_config_presets_and_errors(tmp_path):
         load_critic_config(bad)
     with pytest.raises(ConfigError, match="nope"):
         load_critic_config(preset="nope")
+    # mid-epoch checkpoints: off by default (tiny runs), every 250 updates in the paper presets
+    assert CriticConfig().checkpoint_every_steps == load_critic_config().checkpoint_every_steps == 0
+    assert it2.checkpoint_every_steps == load_critic_config(preset="alfworld_iter1").checkpoint_every_steps == 250
+    with pytest.raises(ConfigError, match="checkpoint_every_steps"):
+        load_critic_config(overrides={"checkpoint_every_steps": -1})
+    with pytest.raises(ConfigError, match="checkpoint_every_steps.*needs checkpoint: true"):
+        load_critic_config(overrides={"checkpoint_every_steps": 10, "checkpoint": False})
 
 
 def test_train_save_load_score_and_resume(tiny_model_dir, tmp_path):

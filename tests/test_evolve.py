@@ -185,6 +185,11 @@ def test_config_errors():
     assert cfg.stage("critic", 2).lr == 5e-6 and cfg.stage("policy", 2).old_refresh_steps == 200
     assert cfg.stage("rollout", 1).n_per_task == 3 and cfg.stage("rollout", 1).temperature == 2.0
     assert resolve("alfworld", "paper", overrides={"model": "/m"}).stage("policy", 1).lr == 1e-5
+    # mid-epoch checkpoints at paper scale (GPU), epoch-end ones only at the tiny CPU scales
+    assert (cfg.stage("critic", 2).checkpoint_every_steps, cfg.stage("policy", 2).checkpoint_every_steps) == (250, 500)
+    for scale in ("cpu", "smoke"):
+        tiny = resolve("sciworld", scale)
+        assert (tiny.stage("critic", 1).checkpoint_every_steps, tiny.stage("policy", 1).checkpoint_every_steps) == (0, 0)
 
 
 def test_bad_override_file(tmp_path):

@@ -282,3 +282,15 @@ def test_cli_bad_inputs_give_one_line_errors(args, needle, tiny_model_dir, tmp_p
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], p.stderr
     assert not out.exists()
+
+
+def test_checkpoint_every_steps_presets_and_validation():
+    """Mid-epoch checkpoints: off by default (tiny runs), every 500 steps in the GPU and paper presets."""
+    from qevolve_cli.errors import ConfigError
+    from qevolve_cli.policy.config import PolicyConfig, load_policy_config
+
+    assert PolicyConfig().checkpoint_every_steps == load_policy_config().checkpoint_every_steps == 0
+    for preset in ("zero2", "zero3", "sciworld_iter1", "alfworld_iter2"):
+        assert load_policy_config(preset=preset).checkpoint_every_steps == 500, preset
+    with pytest.raises(ConfigError, match="checkpoint_every_steps"):
+        load_policy_config(overrides={"checkpoint_every_steps": -1})

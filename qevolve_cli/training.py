@@ -110,6 +110,7 @@ class TrainArgs:
     desc: str = "train"
     max_steps: int = 0  # stop after this many optimiser steps (0 = no limit; for tests/benchmarks)
     checkpoint_every_steps: int = 0  # also checkpoint after every N-th optimiser step (0 = epoch boundaries only)
+    fingerprint: str | None = None  # the run's identity (config, data, model): a checkpoint of another one is refused
 
 
 @dataclass
@@ -803,7 +804,7 @@ def kill_after_checkpoint(step: int) -> None:
 
 
 def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: dict[str, int],
-                     extra: dict[str, Any] | None = None) -> None:
+                     extra: dict[str, Any] | None = None, fingerprint: str | None = None) -> None:
     """Checkpoint of the loop at ``pos`` (``epoch``, ``epoch_step``: steps done in it, ``step``: global);
     collective: every rank calls it.
 
@@ -828,7 +829,8 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     fsync_tree(tag_dir)
     backend.barrier()
     if backend.is_main:
-        commit_checkpoint(Path(ckpt_dir), "meta.json", {"tag": tag, **pos, **checkpoint_meta(backend)})
+        commit_checkpoint(Path(ckpt_dir), "meta.json", {"tag": tag, **pos, **checkpoint_meta(backend),
+                                                        "fingerprint": fingerprint})
     backend.barrier()
     kill_after_checkpoint(pos["step"])
 
@@ -893,6 +895,9 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
     meta = read_checkpoint_pointer(ckpt_dir) if (ckpt_dir is not None and args.resume) else None
     if meta is not None:  # refused before DeepSpeed builds its engine
         check_checkpoint_backend(ckpt_dir, meta, backend)
+        if meta.get("fingerprint") != args.fingerprint:
+            raise QevolveError(f"{ckpt_dir}: the checkpoint is of another configuration, data or model; rerun with "
+                               "the same arguments to resume it (or delete it to start over)")
     model, optimizer, scheduler = backend.prepare(model, optimizer, scheduler)
     start_epoch, skip, step = 0, 0, 0
     if meta is not None:
@@ -985,7 +990,8 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                         pos = ({"epoch": epoch + 1, "epoch_step": 0, "step": step} if end_of_epoch
                                else {"epoch": epoch, "epoch_step": i + 1, "step": step})
                         extra = hooks.extra_state() if hooks.extra_state is not None else None
-                        write_checkpoint(backend, ckpt_dir, model, optimizer, scheduler, pos, extra)
+                        write_checkpoint(backend, ckpt_dir, model, optimizer, scheduler, pos, extra,
+                                         args.fingerprint)
                 if done:
                     break
                 backend.barrier()

@@ -1,6 +1,7 @@
 """The shared training loop: schedule, dynamic batching, accumulation, logging, checkpoint/resume."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -146,6 +147,9 @@ def test_mid_epoch_checkpoint_resumes_at_the_next_step(tmp_path):
     for k in ("loss", "lr", "grad_norm"):
         assert [r[k] for r in log] == pytest.approx([r[k] for r in ref_log], rel=1e-6), k
     assert sorted(p.name for p in ck.iterdir()) == ["meta.json", "step00000009"]  # committed again, leftover gone
+    # the checkpoint of another run (config, data, model: the caller's fingerprint) is refused with one line
+    with pytest.raises(QevolveError, match="another configuration, data or model"):
+        train_loop(_model(), steps_for(24), _loss_fn(x, y), dataclasses.replace(args, fingerprint="other"))
     # a checkpoint resumes only under the backend that wrote it (one-line error, nothing trained)
     (ck / "meta.json").write_text(json.dumps({**meta, "tag": "step00000009", "backend": "deepspeed"}))
     with pytest.raises(QevolveError, match="written by a deepspeed run, this is a torch run"):

@@ -17,8 +17,8 @@ Layout::
 
 A stage whose manifest status is ``done`` and whose outputs exist is never
 re-run. A stage interrupted mid-way (status ``running``) is re-run; stages
-that can resume internally (rollout journal, critic checkpoints) pick up their
-partial work.
+that can resume internally (rollout journal, critic and policy checkpoints) pick
+up their partial work (docs/evolve.md, "What survives a failure").
 """
 from __future__ import annotations
 

@@ -260,6 +260,14 @@ def work_dir_for(out: Path) -> Path:
     return out.parent / f".{out.name}.work"
 
 
+def _fingerprint(cfg_hash: str, data, model: Path, ref) -> str:
+    import hashlib
+
+    parts = [cfg_hash, *(str(Path(p).resolve()) for p in data_paths(data)), str(Path(model).resolve()),
+             str(Path(ref).resolve()) if ref is not None else ""]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], model: str | Path, out: str | Path,
                  ref: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
     """Train a policy with ``cfg.objective`` on table ``data`` (or several, stacked) from ``model``; write ``out``.
@@ -300,6 +308,8 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         precision=cfg.precision, device=cfg.device, log_path=work / "metrics.jsonl", ckpt_dir=work / "ckpt",
         deepspeed=Path(cfg.deepspeed) if cfg.deepspeed else None, quiet=quiet, desc=f"policy {cfg.objective}",
         max_steps=cfg.max_steps, checkpoint_every_steps=cfg.checkpoint_every_steps,
+        # how often checkpoints are written does not change the run: a resume may change it
+        fingerprint=_fingerprint(cfg.replace(checkpoint_every_steps=0).hash(), data, model_path, ref),
     )
     backend = make_backend(args, cfg.grad_accum_steps)
     device = backend.device

@@ -17,7 +17,7 @@ Every arm is evaluated with the run's own evaluation config (same splits,
 ``eval_max_tasks``, step limit, decoding); evaluations the run already did with
 that config (SFT = iteration 0, Q-Evolve) are read from its manifest, not
 repeated. Work goes to ``RUN/compare/`` (its own stage manifest, so an
-interrupted compare resumes; training stages resume from epoch checkpoints,
+interrupted compare resumes; training stages resume from their checkpoints,
 evaluations from their journals).
 """
 from __future__ import annotations

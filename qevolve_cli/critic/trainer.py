@@ -299,13 +299,17 @@ class CriticTrainer:
                              if "lora_" in n},
                 "heads": {k: v.detach().cpu().clone() for k, v in self.critic.heads.state_dict().items()}}
 
-    def load_adapter_state(self, s: dict[str, Any]) -> None:
+    def _copy_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
+        """Copy saved backbone (LoRA) tensors into the live parameters; an unknown name is an error."""
         params = dict(self.critic.backbone.named_parameters())
         with torch.no_grad():
-            for n, t in s["adapters"].items():
+            for n, t in adapters.items():
                 if n not in params:
                     raise QevolveError(f"checkpoint: unknown adapter tensor {n}")
                 params[n].copy_(t)
+
+    def load_adapter_state(self, s: dict[str, Any]) -> None:
+        self._copy_adapters(s["adapters"])
         self.critic.heads.load_state_dict(s["heads"])
 
     # ---------------------------------------------------------------- checkpoints
@@ -327,12 +331,7 @@ class CriticTrainer:
                              if ".q_target." in n}, "heads": heads}
 
     def load_target_state(self, s: dict[str, Any]) -> None:
-        params = dict(self.critic.backbone.named_parameters())
-        with torch.no_grad():
-            for n, t in s["adapters"].items():
-                if n not in params:
-                    raise QevolveError(f"checkpoint: unknown adapter tensor {n}")
-                params[n].copy_(t)
+        self._copy_adapters(s["adapters"])
         res = self.critic.heads.load_state_dict(s["heads"], strict=False)
         if res.unexpected_keys:
             raise QevolveError(f"checkpoint: unknown head tensor {res.unexpected_keys[0]}")

@@ -37,14 +37,15 @@ def make_table(path, n_traj=6, steps=2, with_adv=True):
     return pl.DataFrame(rows)
 
 
-def action_logprobs(model_dir, df) -> dict[str, float]:
-    """Mean summed log-prob of the good / bad actions, computed independently: prompt via the chat
-    template with a generation prompt, then the action text + end-of-turn as the continuation."""
+def step_logprobs(model_dir, df) -> list[tuple[str, float]]:
+    """(action, summed log-prob of the action + end of turn) for every step of ``df``, computed
+    independently of the trainer: prompt via the chat template with a generation prompt, then the
+    action text + end-of-turn as the continuation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    res: dict[str, list[float]] = {"good": [], "bad": []}
+    out: list[tuple[str, float]] = []
     for (_tid,), g in df.sort("step").group_by("traj_id", maintain_order=True):
         obs, acts = g["observation"].to_list(), g["action"].to_list()
         for t in range(g.height):
@@ -56,8 +57,15 @@ def action_logprobs(model_dir, df) -> dict[str, float]:
             with torch.no_grad():
                 lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
             tgt = ids[0, 1:]
-            s = lp[torch.arange(len(tgt)), tgt][len(p_ids) - 1 :].sum()
-            res["good" if acts[t] == GOOD else "bad"].append(float(s))
+            out.append((acts[t], float(lp[torch.arange(len(tgt)), tgt][len(p_ids) - 1 :].sum())))
+    return out
+
+
+def action_logprobs(model_dir, df) -> dict[str, float]:
+    """Mean summed log-prob of the good / bad actions (:func:`step_logprobs`)."""
+    res: dict[str, list[float]] = {"good": [], "bad": []}
+    for action, s in step_logprobs(model_dir, df):
+        res["good" if action == GOOD else "bad"].append(s)
     return {k: sum(v) / len(v) for k, v in res.items()}
 
 
@@ -83,25 +91,10 @@ def make_baseline_table(path, n_tasks=3, steps=2):
 
 
 def summed_logprobs(model_dir, df) -> dict[str, float]:
-    """Mean summed log-prob of every step's action (+ end of turn) per distinct action text, computed
-    independently of the trainer (chat template with a generation prompt, then the continuation)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """Mean summed log-prob of every step's action per distinct action text (:func:`step_logprobs`)."""
     res: dict[str, list[float]] = {}
-    for (_tid,), g in df.sort("step").group_by("traj_id", maintain_order=True):
-        obs, acts = g["observation"].to_list(), g["action"].to_list()
-        for t in range(g.height):
-            msgs = build_messages(instruction_prompt("textcraft"), g["instruction"][0], obs[: t + 1], acts[:t])
-            prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-            c_ids = tok(acts[t] + tok.eos_token, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([p_ids + c_ids])
-            with torch.no_grad():
-                lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-            tgt = ids[0, 1:]
-            res.setdefault(acts[t], []).append(float(lp[torch.arange(len(tgt)), tgt][len(p_ids) - 1 :].sum()))
+    for action, s in step_logprobs(model_dir, df):
+        res.setdefault(action, []).append(s)
     return {k: sum(v) / len(v) for k, v in res.items()}
 
 

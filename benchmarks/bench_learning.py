@@ -178,34 +178,38 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
     from qevolve_cli.envs.splits import list_tasks
 
     train_tasks = list_tasks(env, "train")
-    used = max(cfg.expert_limit or 0, cfg.stage("rollout", 1).max_tasks or 0)
+    n = len(train_tasks)  # expert_limit / max_tasks 0 = every train task
+    used = max(cfg.expert_limit or n, cfg.stage("rollout", 1).max_tasks or n)
     val_tasks = train_tasks[-VAL_TASKS:]
-    if used + VAL_TASKS > len(train_tasks):
-        raise SystemExit(f"{env}: train split too small for a disjoint validation slice")
+    disjoint = used + VAL_TASKS <= n
+    if not disjoint:
+        log(f"{env}: the validation tasks are among the first {used} train tasks that the experts or the "
+            "rollouts use (not disjoint)")
 
     def val_score(policy: Path, out: Path, name: str) -> float | None:
         v_cfg = cfg.stage("rollout", 1).replace(split="train", max_tasks=0, iteration=0)
         stage(out, lambda: run_eval(v_cfg, policy, out, resume=True, tasks=val_tasks), times, name)
         return eval_scores(out)["success"] if out.exists() else None
 
-    res["validation"] = {"tasks": len(val_tasks), "bc": val_score(bc, run / "bc" / "iter_0" / "val.parquet",
-                                                                  "bc/iter_0/val")}
+    res["validation"] = {"tasks": len(val_tasks), "disjoint": disjoint,
+                         "bc": val_score(bc, run / "bc" / "iter_0" / "val.parquet", "bc/iter_0/val")}
 
-    def select(arm: str, k: int, grid: list[dict], train) -> Path | None:
+    def select(arm: str, k: int, grid: list[dict], train) -> tuple[Path, dict] | None:
         """Train every candidate of ``grid`` (``train(cand, out)``), score each on the validation tasks,
-        return the best one's policy (ties: the earlier candidate, the preset first)."""
+        return the best one's (policy, candidate) (ties: the earlier candidate, the preset first)."""
         best, best_v, scores = None, -1.0, {}
         for cand in grid:
-            out = run / arm / f"iter_{k}" / cand_dir(cand)
-            stage(out, lambda cand=cand, out=out: train(cand, out), times, f"{arm}/iter_{k}/{cand_dir(cand)}")
+            name = cand_dir(cand)
+            out = run / arm / f"iter_{k}" / name
+            stage(out, lambda cand=cand, out=out: train(cand, out), times, f"{arm}/iter_{k}/{name}")
             if not out.exists():
                 continue
-            v = val_score(out, out.parent / f"val_{cand_dir(cand)}.parquet", f"{arm}/iter_{k}/val_{cand_dir(cand)}")
-            scores[cand_dir(cand)] = v
+            v = val_score(out, out.parent / f"val_{name}.parquet", f"{arm}/iter_{k}/val_{name}")
+            scores[name] = v
             if v is not None and v > best_v:
-                best, best_v = out, v
+                best, best_v = (out, cand), v
         res["validation"].setdefault(arm, {})[f"iter_{k}"] = {"candidates": scores,
-                                                              "selected": best.name if best else None}
+                                                              "selected": best[0].name if best else None}
         return best
 
     policies: dict[str, Path | None] = {arm: bc for arm in arms if arm != "bc"}
@@ -279,11 +283,11 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
                 def train(cand, out, pol=pol, adv=adv):
                     train_policy(cfg_of(cand), adv, pol, out, ref=pol, quiet=True)
             best = select(arm, k, grid, train)
-            if k == 1 and best is not None:
-                chosen[arm] = [c for c in grid if cand_dir(c) == best.name]
-            new[arm] = best
+            new[arm] = best[0] if best else None
             if best is not None:
-                evaluate(arm, k, best)
+                if k == 1:
+                    chosen[arm] = [best[1]]
+                evaluate(arm, k, best[0])
         policies = new
     res["stage_seconds"] = times
     return res

@@ -237,7 +237,7 @@ def main() -> None:
     # ---- step weights
     succ = core.trajectory_success(offs, r)
     t_w, w = timed(lambda: core.step_weights(offs, succ, df.height), repeat=3)
-    sl = succ.to_pylist()
+    sl = succ.to_list()
     t_wpy, w_py = timed(lambda: ref_weights(sub_len, sl[: len(sub_len)]))
     t_wpy_full = t_wpy * df.height / m
 

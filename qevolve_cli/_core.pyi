@@ -1,15 +1,24 @@
 """Type stub of the Rust extension ``qevolve_cli._core`` (hand-written; checked by tests/check_stub.py).
 
-Array arguments are Arrow arrays (objects with ``__arrow_c_array__``, e.g.
-``pyarrow.Array``); results are :class:`ArrowExport` objects that
+Array arguments are Arrow arrays: objects with ``__arrow_c_array__`` (e.g.
+``pyarrow.Array``) or with ``__arrow_c_stream__`` of one chunk (a rechunked
+``polars.Series``); results are :class:`ArrowExport` objects that
 ``pyarrow.array(x)`` or Polars consume zero-copy (once).
 """
 from typing import Any, Protocol
 
 __version__: str
 
-class _ArrowArray(Protocol):
+class _CArray(Protocol):
     def __arrow_c_array__(self, requested_schema: Any = ...) -> tuple[Any, Any]: ...
+
+class _CStream(Protocol):
+    def __arrow_c_stream__(self, requested_schema: Any = ...) -> Any: ...
+
+class _CSchema(Protocol):
+    def __arrow_c_schema__(self) -> Any: ...
+
+_ArrowArray = _CArray | _CStream
 
 class CoreDataError(ValueError):
     """Invalid input to the data core (bad offsets, lengths, rules, gamma...)."""
@@ -17,6 +26,14 @@ class CoreDataError(ValueError):
 class ArrowExport:
     def __arrow_c_array__(self, requested_schema: Any = None) -> tuple[Any, Any]: ...
     def __len__(self) -> int: ...
+
+class ArrowSchemaExport:
+    def __arrow_c_schema__(self) -> Any: ...
+    def metadata(self) -> dict[str, str]:
+        """The schema's top-level key-value metadata."""
+
+def schema_with_metadata(schema: _CSchema, metadata: dict[str, str]) -> ArrowSchemaExport:
+    """``schema`` (a struct schema, e.g. ``polars.Schema``) with its key-value metadata replaced."""
 
 def parse_action(text: str) -> str | None:
     """Command after the last ``Action:`` (to end of line, trimmed); None on a format error."""

@@ -1,8 +1,11 @@
 """Polars-facing wrappers of the Rust data core (``qevolve_cli._core``).
 
-Columns travel as Arrow arrays (zero-copy from Polars via ``to_arrow``);
-results come back as Arrow arrays wrapped in Polars Series. No per-row Python
-objects; the Rust side releases the GIL and uses all cores.
+Columns travel to the core as one-chunk Polars Series through the Arrow
+PyCapsule stream protocol (zero-copy; strings in Polars' own ``string_view``
+layout, which the core reads directly); results come back through
+``__arrow_c_array__`` into Polars Series. No per-row Python objects, and no
+pyarrow: importing it (with numpy) costs 0.1-0.2 s, a fifth of a short
+`qevolve label` run. The core also accepts pyarrow arrays (the tests use them).
 """
 from __future__ import annotations
 
@@ -10,67 +13,43 @@ from collections.abc import Sequence
 from typing import Any
 
 import polars as pl
-import pyarrow as pa
 
 from qevolve_cli import _core
 
-
-def arrow(s: pl.Series) -> pa.Array:
-    """A single-chunk Arrow array of a Polars Series, zero-copy when it is one chunk.
-
-    Strings are exported as Arrow ``string_view`` (Polars' own layout; the Rust
-    core reads it directly) instead of being copied into ``large_string``.
-    """
-    a = s.rechunk().to_arrow(compat_level=pl.CompatLevel.newest())
-    if isinstance(a, pa.ChunkedArray):
-        a = a.combine_chunks()
-    return a
+Column = Any  # a pl.Series, or any object with __arrow_c_array__ (a pyarrow.Array)
 
 
-# Results of the core are imported through the Arrow PyCapsule protocol by Polars, never with
-# ``pyarrow.array(...)`` or ``pyarrow.Array.to_numpy()``: both import pandas (0.4 s of start-up).
+def arrow(s: Column) -> Column:
+    """What the core imports: a Series as one chunk (the core refuses several); others unchanged."""
+    return s.rechunk() if isinstance(s, pl.Series) else s
+
+
 def series(name: str, exported: Any) -> pl.Series:
+    """A core result (consumed once) as a Polars Series."""
     return pl.Series(exported).alias(name)
 
 
-def _pa(exported: Any) -> pa.Array:
-    """A core result as a reusable pyarrow array (an export can be consumed only once)."""
-    return arrow(pl.Series(exported))
-
-
-def offsets(df: pl.DataFrame) -> pa.Array:
+def offsets(df: pl.DataFrame) -> pl.Series:
     """Trajectory offsets (int64, n_traj + 1) of a table whose trajectories are contiguous."""
-    return _pa(_core.offsets_from_ids(arrow(df["traj_id"])))
+    return series("offsets", _core.offsets_from_ids(arrow(df["traj_id"])))
 
 
-def trajectory_success(offs: pa.Array, reward_env: pl.Series) -> pa.Array:
-    return _pa(_core.trajectory_success(offs, arrow(reward_env.cast(pl.Float32))))
+def trajectory_success(offs: Column, reward_env: pl.Series) -> pl.Series:
+    """One bool per trajectory: its summed env reward is positive."""
+    return series("success", _core.trajectory_success(arrow(offs), arrow(reward_env.cast(pl.Float32))))
 
 
-def step_weights(offs: pa.Array, success: pa.Array, n_rows: int, temporal: bool = True,
+def step_weights(offs: Column, success: Column, n_rows: int, temporal: bool = True,
                  success_term: bool = True) -> pl.Series:
-    return series("weight", _core.step_weights(offs, success, n_rows, temporal, success_term))
+    return series("weight", _core.step_weights(arrow(offs), arrow(success), n_rows, temporal, success_term))
 
 
-class _ArrowRef:
-    """Hands a pyarrow array to Polars through the PyCapsule protocol.
-
-    ``pl.Series(<pyarrow.Array>)`` takes another path that imports ``pyarrow.compute`` (0.2 s).
-    """
-
-    def __init__(self, a: pa.Array):
-        self.a = a
-
-    def __arrow_c_array__(self, requested_schema: Any = None) -> Any:
-        return self.a.__arrow_c_array__(requested_schema)
+def to_polars(a: Column, name: str = "") -> pl.Series:
+    return (a if isinstance(a, pl.Series) else pl.Series(a)).alias(name)
 
 
-def to_polars(a: pa.Array, name: str = "") -> pl.Series:
-    return pl.Series(_ArrowRef(a)).alias(name)
-
-
-def broadcast(offs: pa.Array, per_traj: pa.Array, name: str) -> pl.Series:
-    """Repeat one value per trajectory over its rows (in Polars: no pandas, no pyarrow.compute)."""
+def broadcast(offs: Column, per_traj: Column, name: str) -> pl.Series:
+    """Repeat one value per trajectory over its rows (in Polars)."""
     lengths = to_polars(offs).diff().slice(1)
     idx = pl.int_range(0, lengths.len(), dtype=pl.UInt32, eager=True).repeat_by(lengths).explode()
     return to_polars(per_traj, name).gather(idx)
@@ -87,13 +66,13 @@ def label_steps(df: pl.DataFrame, rules: Sequence[dict[str, Any]], env_code: pl.
     return series("reward_aux", r), series("aux_kind", k)
 
 
-def gae(offs: pa.Array, reward: pl.Series, value: pl.Series, next_value: pl.Series, done: pl.Series,
+def gae(offs: Column, reward: pl.Series, value: pl.Series, next_value: pl.Series, done: pl.Series,
         gamma: float, lam: float, reward_aux: pl.Series | None = None) -> pl.Series:
     f32 = lambda s: arrow(s.cast(pl.Float32))  # noqa: E731
     return series(
         "advantage",
         _core.gae_advantages(
-            offs, f32(reward), f32(value), f32(next_value), arrow(done.cast(pl.Boolean)), gamma, lam,
+            arrow(offs), f32(reward), f32(value), f32(next_value), arrow(done.cast(pl.Boolean)), gamma, lam,
             None if reward_aux is None else f32(reward_aux),
         ),
     )

@@ -71,7 +71,7 @@ def test_weights_match_reference(trajs, temporal, success_term):
 def test_success_from_rewards():
     offs = offsets_of([2, 2, 1])
     got = core.trajectory_success(offs, pl.Series([0.0, 0.5, 0.0, 0.0, -1.0]))
-    assert got.to_pylist() == [True, False, True]
+    assert got.to_list() == [True, False, True]
 
 
 def test_weights_bad_offsets_raise():
@@ -204,3 +204,40 @@ def test_string_view_and_large_string_inputs():
     for t in (pa.string(), pa.large_string(), pa.string_view()):
         a = pa.array(["Action: x", "y"], type=t)
         assert pa.array(_core.parse_actions(a)).to_pylist() == ["x", None]
+
+
+# ---------------------------------------------------------------- Arrow interchange
+def test_core_takes_polars_series_and_pyarrow_arrays_alike():
+    """Polars Series travel through the Arrow stream protocol, pyarrow arrays through the array one."""
+    lengths = [2, 1, 3]
+    offs_pa = offsets_of(lengths)
+    offs_pl = pl.Series(offs_pa.to_pylist(), dtype=pl.Int64)
+    r = [0.0, 1.0, 0.0, 0.0, 0.0, 2.0]
+    a = pl.Series(_core.trajectory_success(offs_pa, pa.array(r, pa.float32()))).to_list()
+    b = pl.Series(_core.trajectory_success(offs_pl, pl.Series(r, dtype=pl.Float32))).to_list()
+    assert a == b == [True, False, True]
+
+
+def test_core_refuses_a_multi_chunk_series_by_name():
+    two = pl.concat([pl.Series([0, 1], dtype=pl.Int64), pl.Series([3], dtype=pl.Int64)], rechunk=False)
+    assert two.n_chunks() == 2
+    with pytest.raises(ValueError, match="column 'offsets': expected one chunk, got 2"):
+        _core.trajectory_success(two, pl.Series([0.0, 1.0, 0.0], dtype=pl.Float32))
+    # the wrappers rechunk first
+    assert core.trajectory_success(two, pl.Series([0.0, 1.0, 0.0])).to_list() == [False, True]
+    with pytest.raises(TypeError, match="column 'offsets': expected an Arrow array"):
+        _core.trajectory_success([0, 3], pl.Series([0.0, 1.0, 0.0], dtype=pl.Float32))
+
+
+def test_schema_with_metadata_keeps_fields_and_sets_metadata(tmp_path):
+    import pyarrow.parquet as pq
+
+    df = pl.DataFrame({"a": ["x"], "b": [1]}, schema={"a": pl.String, "b": pl.Int32})
+    s = _core.schema_with_metadata(df.schema, {"k": "v"})
+    assert s.metadata() == {"k": "v"}
+    assert pa.schema(s).metadata == {b"k": b"v"}
+    assert [(f.name, str(f.type)) for f in pa.schema(s)] == [("a", "string_view"), ("b", "int32")]
+    df.write_parquet(tmp_path / "t.parquet", arrow_schema=s)
+    assert pq.read_schema(tmp_path / "t.parquet").metadata == {b"k": b"v"}
+    with pytest.raises(TypeError, match="expected an Arrow schema"):
+        _core.schema_with_metadata(42, {})

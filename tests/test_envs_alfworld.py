@@ -213,3 +213,38 @@ def test_cached_games_play_exactly_as_fresh_loads(tmp_path):
         assert a == b
     assert old["traces"][0][-1][1:] == [1.0, True]  # the expert wins: the games really were played
     assert os.environ.get("QEVOLVE_ALFWORLD_GAME_CACHE") is None
+
+
+def test_a_reset_loads_neither_the_thor_simulator_nor_torch():
+    """`alfworld.agents.environment/__init__` imports the THOR env and its Mask R-CNN detector
+    (torchvision, torch._dynamo): 4.5 s of a worker's first reset and ~0.7 GB of RSS, for classes a
+    text rollout never uses. A fresh interpreter resets a game without them, and the package still
+    imports whole afterwards."""
+    import subprocess
+    import sys
+
+    from qevolve_cli.envs.alfworld import ensure_alfworld_data
+    from tests.conftest import ROOT, qevolve_env
+
+    try:
+        ensure_alfworld_data()
+    except QevolveError as e:
+        pytest.skip(f"ALFWorld data unavailable: {e}")
+    code = (
+        "import sys\n"
+        "from qevolve_cli.envs import list_tasks, make_env\n"
+        "env = make_env('alfworld'); obs = env.reset(list_tasks('alfworld', 'train')[0])\n"
+        "assert obs and env.instruction, obs\n"
+        "heavy = sorted(m for m in ('torch', 'torchvision', 'alfworld.agents.environment.alfred_thor_env',"
+        " 'alfworld.agents.detector.mrcnn') if m in sys.modules)\n"
+        "assert 'alfworld.agents.environment' not in sys.modules\n"
+        "from qevolve_cli.envs.alfworld import alfred_wrappers\n"
+        "import alfworld.agents.environment as E\n"
+        "assert E.AlfredTWEnv.__module__ == 'alfworld.agents.environment.alfred_tw_env'\n"
+        "assert alfred_wrappers()[0] is sys.modules['alfworld.agents.environment.alfred_tw_env'].AlfredDemangler\n"
+        "print(heavy)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=qevolve_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout

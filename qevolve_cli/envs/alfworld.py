@@ -111,6 +111,37 @@ def ensure_alfworld_data(unpack: bool = True) -> Path:
     return cache
 
 
+def alfred_wrappers() -> tuple[type, type]:
+    """ALFWorld's TextWorld wrappers ``AlfredDemangler`` and ``AlfredInfos``.
+
+    Imported without running ``alfworld.agents.environment/__init__.py``: that file also imports
+    the THOR (3-D simulator) environment, whose Mask R-CNN detector pulls in torchvision and
+    torch._dynamo: 4.5 s of a worker's first reset, for classes a text rollout never uses. The
+    package object exists only while its submodule is imported; a later ``import
+    alfworld.agents.environment`` runs the real ``__init__`` as usual.
+    """
+    import importlib.util
+    import sys
+
+    name = "alfworld.agents.environment"
+    sub = name + ".alfred_tw_env"
+    if sub not in sys.modules and name not in sys.modules:
+        import alfworld.agents
+
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.submodule_search_locations is None:
+            raise QevolveError("alfworld is installed without alfworld.agents.environment (pip install alfworld==0.3.5)")
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # the package, its __init__ not run
+        try:
+            importlib.import_module(sub)
+        finally:
+            del sys.modules[name]
+            if hasattr(alfworld.agents, "environment"):
+                delattr(alfworld.agents, "environment")
+    mod = sys.modules.get(sub) or importlib.import_module(sub)
+    return mod.AlfredDemangler, mod.AlfredInfos
+
+
 def split_initial_feedback(feedback: str) -> tuple[str, str]:
     """(instruction, observation) from the game's first feedback text."""
     text = feedback.replace(BANNER, "").strip()
@@ -137,7 +168,8 @@ class AlfWorldEnv(Env):
 
     def _reset(self, task: Task, with_expert: bool) -> tuple[str, str]:
         import textworld
-        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
+        AlfredDemangler, AlfredInfos = alfred_wrappers()  # noqa: N806 - classes
 
         path = self.game_path(task)
         if not path.is_file():

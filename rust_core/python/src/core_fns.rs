@@ -1,6 +1,7 @@
 //! Bindings of labels, weights, GAE and ragged helpers.
 use crate::arrow_io::{bool_vec, f32_slice, i64_slice, import_array, u32_slice, ArrowExport, StrArr};
 use crate::to_py_err;
+use arrow_array::builder::StringViewBuilder;
 use arrow_array::{ArrayRef, BooleanArray, Float32Array, Int64Array, StringArray};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -148,8 +149,17 @@ fn label_steps(
         .iter()
         .map(|d| rule_spec(d).and_then(|s| labels::Rules::compile(&s).map_err(to_py_err)))
         .collect::<PyResult<Vec<_>>>()?;
-    let (r, k) = py.detach(|| labels::label_steps(&a, &o, &n, c, &compiled)).map_err(to_py_err)?;
-    let kinds: StringArray = k.iter().map(|k| Some(k.as_str())).collect();
+    let (r, kinds) = py
+        .detach(|| {
+            labels::label_steps(&a, &o, &n, c, &compiled).map(|(r, k)| {
+                // string views: the kind names fit inline (<= 12 bytes), so there is no data
+                // buffer to fill, and Polars takes views as they are (plain strings it converts)
+                let mut b = StringViewBuilder::with_capacity(k.len());
+                k.iter().for_each(|k| b.append_value(k.as_str()));
+                (r, b.finish())
+            })
+        })
+        .map_err(to_py_err)?;
     Ok((export(Arc::new(Float32Array::from(r))), export(Arc::new(kinds))))
 }
 

@@ -22,6 +22,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CoreDataError", m.py().get_type::<CoreDataError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<arrow_io::ArrowExport>()?;
+    m.add_class::<arrow_io::ArrowSchemaExport>()?;
+    m.add_function(wrap_pyfunction!(arrow_io::schema_with_metadata, m)?)?;
     core_fns::register(m)?;
     prefix_fns::register(m)?;
     Ok(())

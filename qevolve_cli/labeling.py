@@ -207,7 +207,7 @@ def label_tables(
     timings["total"] = time.perf_counter() - t_all
     kinds = df["aux_kind"].value_counts().sort("aux_kind")
     # trajectories are contiguous here: one row per trajectory at its offset (no group-by over the ids)
-    offs = core.to_polars(core.offsets(df))
+    offs = core.offsets(df)
     per_traj_success = df["success"].gather(offs.head(offs.len() - 1)) if df.height else df["success"]
     summary: dict[str, Any] = {
         "out": str(out),

@@ -224,7 +224,7 @@ def test_iteration_overrides_merge_entry_by_entry():
     # the per-env block of the cpu scale overrides its own entries field by field; the others keep the scale's
     cfg = resolve("lamps", "cpu", overrides={"iters": 3})
     assert cfg.stage("critic", 1).epochs == 6 and cfg.stage("critic", 1).lr == 1e-3  # epochs: lamps, lr: scale
-    assert cfg.stage("policy", 2).lr == 2.5e-4 and cfg.stage("critic", 2).ema_lambda == 0.2
+    assert cfg.stage("policy", 2).lr == 5e-5 and cfg.stage("critic", 2).ema_lambda == 0.2
     assert cfg.stage("critic", 3).epochs == 16 and cfg.stage("policy", 3).lr == 1e-4  # no lamps entry: scale
 
 

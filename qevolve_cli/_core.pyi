@@ -44,6 +44,13 @@ def parse_actions(actions: _ArrowArray) -> ArrowExport:
 def offsets_from_ids(ids: _ArrowArray) -> ArrowExport:
     """int64 offsets (n_traj + 1) of the runs of equal trajectory ids."""
 
+def step_order_offsets(ids: _ArrowArray, step: _ArrowArray) -> ArrowExport | None:
+    """int64 offsets (n_traj + 1) when every trajectory's rows are adjacent with steps 0, 1, 2, ...
+    (``step`` int32, no nulls in either); ``None`` otherwise."""
+
+def broadcast_bool(offsets: _ArrowArray, per_traj: _ArrowArray) -> ArrowExport:
+    """bool per row: each trajectory's value (``per_traj``, one per trajectory) repeated over its rows."""
+
 def trajectory_success(offsets: _ArrowArray, reward_env: _ArrowArray) -> ArrowExport:
     """bool per trajectory: its summed environment reward is non-zero."""
 

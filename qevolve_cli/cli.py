@@ -1,11 +1,14 @@
 """The ``qevolve`` command line (Typer). Each command lives in ``qevolve_cli/commands/``.
 
-Commands are imported on start-up, but none imports torch at module level, so
-light commands (``label``, ``inspect``) start fast.
+No command imports torch at module level, and ``qevolve NAME ...`` imports and
+registers only the module of NAME (a light command such as ``label`` does not
+pay for the other twelve); ``qevolve --help`` and ``from qevolve_cli.cli import
+app`` get every command.
 """
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
 
@@ -21,41 +24,41 @@ Examples:
   qevolve inspect labeled.parquet --json
 """
 
-app = typer.Typer(
-    name="qevolve",
-    help=HELP,
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+# command name -> module under qevolve_cli.commands; a module defines `register(app)` that adds
+# exactly that command (tests/test_cli_basics.py checks the map against what the modules register)
+COMMANDS = {
+    "rollout": "rollout",
+    "eval": "eval_cmd",
+    "label": "label",
+    "critic": "critic",
+    "policy": "policy",
+    "evolve": "evolve",
+    "compare": "compare",
+    "expert": "expert",
+    "import": "import_cmd",
+    "init-model": "init_model",
+    "inspect": "inspect_cmd",
+    "report": "report",
+    "doctor": "doctor",
+}
+COMMAND_MODULES = list(COMMANDS.values())
 
-# (module under qevolve_cli.commands, command name). A module defines
-# `register(app)` that adds its command(s).
-COMMAND_MODULES = [
-    "rollout",
-    "eval_cmd",
-    "label",
-    "critic",
-    "policy",
-    "evolve",
-    "compare",
-    "expert",
-    "import_cmd",
-    "init_model",
-    "inspect_cmd",
-    "report",
-    "doctor",
-]
 
-for _mod in COMMAND_MODULES:
-    try:
-        _m = importlib.import_module(f"qevolve_cli.commands.{_mod}")
-    except ModuleNotFoundError as _e:  # a command not built yet
-        if _e.name != f"qevolve_cli.commands.{_mod}":
-            raise
-        continue
-    _m.register(app)
+def build_app(only: str | None = None) -> typer.Typer:
+    """The Typer app with every command, or with only the command ``only`` (a key of COMMANDS)."""
+    app = typer.Typer(
+        name="qevolve",
+        help=HELP,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    app.callback()(_root)
+    for name, mod in COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(f"qevolve_cli.commands.{mod}").register(app)
+    return app
 
 
 def _print_version(value: bool) -> None:
@@ -67,7 +70,6 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
                                  callback=_print_version, expose_value=True),
@@ -75,5 +77,16 @@ def _root(
     del version  # handled by _print_version
 
 
+def __getattr__(name: str) -> typer.Typer:
+    # `from qevolve_cli.cli import app` (tests, embedding): built on first use, every command
+    if name == "app":
+        globals()["app"] = built = build_app()
+        return built
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def main() -> None:
-    app()
+    # the first argument names the command (options come after it; the only root options are
+    # --help and --version, for which every command is registered, as for an unknown name)
+    first = sys.argv[1] if len(sys.argv) > 1 else None
+    build_app(first if first in COMMANDS else None)()

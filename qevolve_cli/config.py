@@ -154,7 +154,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(path, None, "no such file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        # libyaml's parser when PyYAML has it (same safe subset, a few ms less per file)
+        data = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
     except yaml.YAMLError as e:
         raise ConfigError(path, None, f"invalid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):

@@ -31,7 +31,7 @@ def series(name: str, exported: Any) -> pl.Series:
 
 def offsets(df: pl.DataFrame) -> pl.Series:
     """Trajectory offsets (int64, n_traj + 1) of a table whose trajectories are contiguous."""
-    return series("offsets", _core.offsets_from_ids(arrow(df["traj_id"])))
+    return series("offsets", _core.offsets_from_ids(df["traj_id"]))  # the core reads the chunks as they are
 
 
 def trajectory_success(offs: Column, reward_env: pl.Series) -> pl.Series:
@@ -49,21 +49,32 @@ def to_polars(a: Column, name: str = "") -> pl.Series:
 
 
 def broadcast(offs: Column, per_traj: Column, name: str) -> pl.Series:
-    """Repeat one value per trajectory over its rows (in Polars)."""
+    """Repeat one value per trajectory over its rows (bool in the Rust core, other types in Polars)."""
+    vals = to_polars(per_traj, name)
+    if vals.dtype == pl.Boolean and not vals.null_count():
+        return series(name, _core.broadcast_bool(arrow(to_polars(offs)), arrow(vals)))
     lengths = to_polars(offs).diff().slice(1)
     idx = pl.int_range(0, lengths.len(), dtype=pl.UInt32, eager=True).repeat_by(lengths).explode()
-    return to_polars(per_traj, name).gather(idx)
+    return vals.gather(idx)
 
 
 def label_steps(df: pl.DataFrame, rules: Sequence[dict[str, Any]], env_code: pl.Series) -> tuple[pl.Series, pl.Series]:
-    r, k = _core.label_steps(
-        arrow(df["action"]),
-        arrow(df["observation"]),
-        arrow(df["next_observation"]),
-        arrow(env_code.cast(pl.UInt32)),
-        list(rules),
-    )
-    return series("reward_aux", r), series("aux_kind", k)
+    """(reward_aux, aux_kind) of every row, in the core, one call per block of rows.
+
+    The blocks follow the chunks of the observation column (a table read from Parquet comes in one
+    chunk per row group, the same for every column), so the string columns go in without being
+    copied into one chunk first (three columns of 1M steps: 15-20 ms in a fresh process).
+    """
+    cols = [df["action"], df["observation"], df["next_observation"], env_code.cast(pl.UInt32)]
+    rewards, kinds, start = [], [], 0
+    for length in df["observation"].chunk_lengths() or [0]:
+        r, k = _core.label_steps(*(arrow(c.slice(start, length)) for c in cols), list(rules))
+        rewards.append(series("reward_aux", r))
+        kinds.append(series("aux_kind", k))
+        start += length
+    if len(rewards) == 1:
+        return rewards[0], kinds[0]
+    return pl.concat(rewards, rechunk=False), pl.concat(kinds, rechunk=False)
 
 
 def gae(offs: Column, reward: pl.Series, value: pl.Series, next_value: pl.Series, done: pl.Series,

@@ -124,7 +124,13 @@ def conform(df: pl.DataFrame, path: str | Path | None = None, require: Iterable[
 
 
 def validate(df: pl.DataFrame, path: str | Path | None = None, require: Iterable[str] = ()) -> pl.DataFrame:
-    """Full validation of a step table; returns it conformed (canonical dtypes).
+    """Full validation of a step table; returns it conformed (canonical dtypes). See :func:`validate_steps`."""
+    return validate_steps(df, path, require)[0]
+
+
+def validate_steps(df: pl.DataFrame, path: str | Path | None = None,
+                   require: Iterable[str] = ()) -> tuple[pl.DataFrame, pl.Series | None]:
+    """Full validation of a step table: (the table conformed, its :func:`step_offsets`).
 
     Checks: columns and types, no empty table, no null/empty traj_id, no nulls
     in non-nullable base columns, finite rewards/weights/values, unique
@@ -140,7 +146,7 @@ def validate(df: pl.DataFrame, path: str | Path | None = None, require: Iterable
         n = df[name].null_count()
         if n:
             raise TableError(path, name, f"{n} null values")
-    if (df["traj_id"].str.len_bytes() == 0).any():
+    if (df["traj_id"] == "").any():
         raise TableError(path, "traj_id", "empty trajectory id")
     for name in FLOAT_CHECKED:
         if name not in df.columns:
@@ -155,24 +161,32 @@ def validate(df: pl.DataFrame, path: str | Path | None = None, require: Iterable
             )
         if name in ("reward_env", "reward_aux", "weight") and s.null_count():
             raise TableError(path, name, f"{s.null_count()} null values")
-    bad_src = df.filter(~pl.col("source").is_in(list(SOURCES)))
-    if bad_src.height:
-        raise TableError(path, "source", f"unknown value {bad_src['source'][0]!r} (expected one of {SOURCES})")
+    src = df["source"]
+    known = src == SOURCES[0]  # a comparison per known value: a third of the time of is_in on 1M strings
+    for v in SOURCES[1:]:
+        known = known | (src == v)
+    if not known.all():
+        raise TableError(path, "source", f"unknown value {src.filter(~known)[0]!r} (expected one of {SOURCES})")
     if "aux_kind" in df.columns:
         bad_kind = df.filter(~pl.col("aux_kind").is_in(list(AUX_KINDS)))
         if bad_kind.height:
             raise TableError(path, "aux_kind", f"unknown value {bad_kind['aux_kind'][0]!r}")
     if (df["step"] < 0).any():
         raise TableError(path, "step", "negative step")
-    if is_step_sorted(df):
+    offs = step_offsets(df)
+    if offs is not None:
         # every trajectory's rows adjacent with steps 0..n-1 (all tables qevolve writes): unique and
         # contiguous steps hold; only `done` before the last step remains to check, without a group-by
-        tid = df["traj_id"]
-        last = tid.ne_missing(tid.shift(-1))
-        early = df["done"] & ~last
-        if early.any():
-            raise TableError(path, "done", f"done=true before the last step in trajectory {tid.filter(early)[0]!r}")
-        return df
+        done, last_rows = df["done"], offs.slice(1) - 1
+        # every done row is a last row when the last rows hold all of them (two sums, no search)
+        if done.sum() != done.gather(last_rows).sum():
+            done_rows = done.arg_true().cast(pl.Int64)  # sorted: each must be one of last_rows
+            hit = last_rows.gather(last_rows.search_sorted(done_rows).clip(0, last_rows.len() - 1))
+            early = done_rows.filter(hit != done_rows)
+            if early.len():
+                raise TableError(path, "done", f"done=true before the last step in trajectory "
+                                 f"{df['traj_id'][early[0]]!r}")
+        return df, offs
     stats = df.group_by("traj_id").agg(
         pl.len().alias("n"),
         pl.col("step").n_unique().alias("nu"),
@@ -195,11 +209,18 @@ def validate(df: pl.DataFrame, path: str | Path | None = None, require: Iterable
     early = stats.filter(pl.col("early_done"))
     if early.height:
         raise TableError(path, "done", f"done=true before the last step in trajectory {early['traj_id'][0]!r}")
-    return df
+    return df, None
 
 
 def read_table(path: str | Path, require: Iterable[str] = (), validate_rows: bool = True) -> pl.DataFrame:
     """Read and validate a trajectory table."""
+    return read_steps(path, require, validate_rows)[0]
+
+
+def read_steps(path: str | Path, require: Iterable[str] = (),
+               validate_rows: bool = True) -> tuple[pl.DataFrame, pl.Series | None]:
+    """Read and validate a trajectory table: (table, its step_offsets, None when not in step order
+    or when the rows were not validated)."""
     path = Path(path)
     if not path.exists():
         raise TableError(path, None, "no such file")
@@ -213,7 +234,7 @@ def read_table(path: str | Path, require: Iterable[str] = (), validate_rows: boo
     ver = schema_version(path)
     if ver is not None and ver != SCHEMA_VERSION:
         raise TableError(path, None, f"schema version {ver} is not supported (this qevolve reads {SCHEMA_VERSION})")
-    return validate(df, path, require) if validate_rows else conform(df, path, require)
+    return validate_steps(df, path, require) if validate_rows else (conform(df, path, require), None)
 
 
 def schema_version(path: str | Path) -> str | None:
@@ -265,17 +286,31 @@ def empty_frame(columns: Sequence[str] | None = None) -> pl.DataFrame:
     return pl.DataFrame(schema={c: ALL_COLUMNS[c] for c in cols})
 
 
+def step_offsets(df: pl.DataFrame) -> pl.Series | None:
+    """Trajectory offsets (int64, n_traj + 1) when the table is in step order, else None.
+
+    Step order (what qevolve writes): every trajectory's rows adjacent, steps 0, 1, 2, ... .
+    One pass in the Rust core (~5 ms per million steps; the Polars expressions took ~30).
+    """
+    if df.height == 0:
+        return pl.Series("offsets", [0], dtype=pl.Int64)
+    tid, step = df["traj_id"], df["step"]
+    if tid.null_count() or step.null_count() or not tid.dtype == pl.String:
+        return None
+    if step.dtype != pl.Int32:
+        try:
+            step = step.cast(pl.Int32, strict=True)
+        except Exception:  # out of int32 range, or not integers: not a step column qevolve wrote
+            return None
+    from qevolve_cli import _core, core
+
+    out = _core.step_order_offsets(tid, core.arrow(step))  # the ids in their chunks as read
+    return None if out is None else core.series("offsets", out)
+
+
 def is_step_sorted(df: pl.DataFrame) -> bool:
     """True when every trajectory's rows are adjacent and in step order 0, 1, 2, ... (what qevolve writes)."""
-    if df.height == 0:
-        return True
-    tid, step = df["traj_id"], df["step"]
-    new = tid.ne_missing(tid.shift(1))  # first row of each run of equal ids
-    if tid.null_count() or step.null_count():
-        return False
-    ok = (((step == 0) == new) & (new | (step.diff().fill_null(0) == 1))).all()
-    # no id starts two runs (hashing only the run starts: ~n/14 strings, not n)
-    return bool(ok) and tid.filter(new).is_unique().all()
+    return step_offsets(df) is not None
 
 
 def sort_steps(df: pl.DataFrame) -> pl.DataFrame:

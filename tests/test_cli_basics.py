@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qevolve_cli import __version__
-from qevolve_cli.cli import COMMAND_MODULES, app
+from qevolve_cli.cli import COMMAND_MODULES, COMMANDS, app, build_app
 from tests.conftest import ROOT, run_qevolve
 
 runner = CliRunner()
@@ -74,3 +74,75 @@ def test_init_model_quiet(tmp_path):
     quiet = run_qevolve("init-model", "--out", tmp_path / "b", "--quiet", check=True)
     assert quiet.stderr == "" and quiet.stdout.startswith("wrote llama/tiny model")
     assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
+def test_command_map_matches_what_the_modules_register():
+    """`qevolve NAME` registers only NAME's module: the map must name every command, each module
+    must register exactly its command, and a one-command app gives the same help as the full one."""
+    import typer.main
+
+    assert sorted(typer.main.get_command(app).commands) == sorted(COMMANDS)
+    for name in COMMANDS:
+        one = build_app(name)
+        assert list(typer.main.get_command(one).commands) == [name]
+        assert runner.invoke(one, [name, "--help"]).output == runner.invoke(app, [name, "--help"]).output
+
+
+def test_a_command_imports_only_its_own_module():
+    import subprocess
+    import sys
+
+    from tests.conftest import qevolve_env
+
+    code = ("import sys; from qevolve_cli.cli import main\n"
+            "sys.argv = ['qevolve', 'label', '--help']\n"
+            "try: main()\n"
+            "except SystemExit as e: assert e.code in (0, None), e.code\n"
+            "print(sorted(m for m in sys.modules if m.startswith('qevolve_cli.commands.')))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=qevolve_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "qevolve label" in p.stdout
+    assert p.stdout.strip().splitlines()[-1] == "['qevolve_cli.commands.common', 'qevolve_cli.commands.label']"
+    # no command or an unknown one: every command is there to list or to suggest
+    top = run_qevolve("--help")
+    assert top.returncode == 0 and all(name in top.stdout for name in COMMANDS)
+    bad = run_qevolve("lable")
+    assert bad.returncode == 2 and "No such command" in bad.stderr
+
+
+def test_start_up_gc_is_turned_back_on_for_command_bodies():
+    """The entry point runs the start-up imports without the cyclic collector; run_command turns it
+    back on before a body, unless a short command asks to finish without it. Library callers (no
+    entry point) are never affected."""
+    import subprocess
+    import sys
+
+    from tests.conftest import qevolve_env
+
+    code = ("import gc\n"
+            "from qevolve_cli.commands.common import run_command\n"
+            "print(gc.isenabled(), run_command(gc.isenabled))\n"  # no entry point: on, untouched
+            "import qevolve_cli.__main__ as entry\n"  # imported only (a spawned worker): still on
+            "print(gc.isenabled())\n"
+            "entry.startup_without_gc()\n"  # what main() does first
+            "print(gc.isenabled(), run_command(gc.isenabled, keep_gc_off=True), run_command(gc.isenabled),\n"
+            "      run_command(gc.isenabled, keep_gc_off=True))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=qevolve_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[:3] == ["True True", "True", "False False True True"]
+
+
+def test_every_command_body_runs_through_run_command():
+    """run_command maps errors to one line and turns the collector back on: every command uses it."""
+    import ast
+
+    for name, mod in COMMANDS.items():
+        tree = ast.parse((ROOT / "qevolve_cli" / "commands" / f"{mod}.py").read_text())
+        cmds = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                and any(isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "command" for d in f.decorator_list)]
+        assert cmds, name
+        for f in cmds:
+            calls = {getattr(c.func, "id", "") for c in ast.walk(f) if isinstance(c, ast.Call)}
+            assert "run_command" in calls, f"{mod}.{f.name}"

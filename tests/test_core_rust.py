@@ -229,6 +229,48 @@ def test_core_refuses_a_multi_chunk_series_by_name():
         _core.trajectory_success([0, 3], pl.Series([0.0, 1.0, 0.0], dtype=pl.Float32))
 
 
+def _runs_reference(ids):
+    return [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + ([len(ids)] if ids else [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "traj-000000000001", "traj-000000000002", "traj-000000000001 "]),
+                max_size=25), st.lists(st.integers(1, 6), min_size=1, max_size=5), st.booleans())
+def test_run_offsets_over_chunks_and_string_views(ids, cuts, via_pyarrow):
+    """Trajectory runs are found across chunk boundaries, in every string layout. Long ids (> 12
+    bytes) that share length and prefix but sit at different places in the data buffers are
+    compared byte by byte; views of the same string compare as equal without reading it."""
+    chunks, start = [], 0
+    for c in cuts + [len(ids)]:
+        chunks.append(ids[start:start + c])
+        start += c
+        if start >= len(ids):
+            break
+    chunks = [c for c in chunks if c] or [[]]
+    want = _runs_reference(ids) if ids else [0]
+    if via_pyarrow:
+        for t in (pa.string(), pa.large_string(), pa.string_view()):
+            col = pa.chunked_array([pa.array(c, type=t) for c in chunks], type=t)
+            assert pl.Series(_core.offsets_from_ids(col)).to_list() == want
+    else:
+        col = pl.concat([pl.Series(c, dtype=pl.String) for c in chunks], rechunk=False)
+        assert col.n_chunks() == len(chunks)
+        assert pl.Series(_core.offsets_from_ids(col)).to_list() == want
+        steps = []
+        for i in range(len(ids)):
+            steps.append(0 if i == 0 or ids[i] != ids[i - 1] else steps[-1] + 1)
+        got = _core.step_order_offsets(col, pl.Series(steps, dtype=pl.Int32))
+        sorted_ok = len({ids[o] for o in want[:-1]}) == len(want) - 1 if ids else True
+        assert (None if got is None else pl.Series(got).to_list()) == (want if sorted_ok else None)
+
+
+def test_step_order_offsets_refuses_null_ids_and_length_mismatch():
+    with pytest.raises(ValueError, match="column 'traj_id': 1 null values"):
+        _core.step_order_offsets(pl.Series(["a", None]), pl.Series([0, 0], dtype=pl.Int32))
+    with pytest.raises(ValueError, match="column 'step': 1 rows, but traj_id has 2"):
+        _core.step_order_offsets(pl.Series(["a", "a"]), pl.Series([0], dtype=pl.Int32))
+
+
 def test_schema_with_metadata_keeps_fields_and_sets_metadata(tmp_path):
     import pyarrow.parquet as pq
 

@@ -145,6 +145,75 @@ def test_is_step_sorted_cases():
     assert schema.is_step_sorted(t([], []))
 
 
+def _reference_step_order(ids, steps):
+    """Plain definition of step order: each id one run of adjacent rows, with steps 0..n-1."""
+    runs = []
+    for i, tid in enumerate(ids):
+        if tid is None:
+            return None
+        if i == 0 or tid != ids[i - 1]:
+            runs.append([tid, i])
+    if len({r[0] for r in runs}) != len(runs):
+        return None
+    bounds = [r[1] for r in runs] + [len(ids)]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        if list(steps[a:b]) != list(range(b - a)):
+            return None
+    return bounds if ids else [0]
+
+
+def test_step_offsets_equal_the_reference_on_random_tables():
+    import random
+
+    rng = random.Random(0)
+    sorted_seen = 0
+    for _ in range(400):
+        n = rng.randint(0, 9)
+        ids = [rng.choice("abc") for _ in range(n)]
+        if rng.random() < 0.5:  # mostly-sorted tables: steps counted per run, sometimes perturbed
+            steps, k = [], 0
+            for i in range(n):
+                k = 0 if i == 0 or ids[i] != ids[i - 1] else k + 1
+                steps.append(k)
+            if n and rng.random() < 0.3:
+                steps[rng.randrange(n)] += rng.choice([-1, 1])
+        else:
+            steps = [rng.randint(0, 2) for _ in range(n)]
+        df = pl.DataFrame({"traj_id": pl.Series(ids, dtype=pl.String), "step": pl.Series(steps, dtype=pl.Int32)})
+        got = schema.step_offsets(df)
+        want = _reference_step_order(ids, steps)
+        assert (None if got is None else got.to_list()) == want, (ids, steps)
+        sorted_seen += want is not None
+    assert sorted_seen > 50  # both outcomes exercised
+
+
+def test_step_offsets_chunked_int64_and_out_of_range_steps():
+    a = pl.DataFrame({"traj_id": ["a", "a"], "step": pl.Series([0, 1], dtype=pl.Int64)})
+    b = pl.DataFrame({"traj_id": ["b"], "step": pl.Series([0], dtype=pl.Int64)})
+    two_chunks = pl.concat([a, b], rechunk=False)
+    assert two_chunks["traj_id"].n_chunks() == 2
+    assert schema.step_offsets(two_chunks).to_list() == [0, 2, 3]
+    huge = pl.DataFrame({"traj_id": ["a"], "step": pl.Series([2**40], dtype=pl.Int64)})
+    assert schema.step_offsets(huge) is None
+
+
+def test_early_done_found_in_every_position(df):
+    """The sorted path's `done` check (offsets + binary search) flags an early done in the first,
+    a middle and the last trajectory, and accepts done on last steps only."""
+    d = schema.sort_steps(df)
+    offs = schema.step_offsets(d).to_list()
+    assert len(offs) >= 4
+    schema.validate(d)  # as generated: done only on last steps
+    for t in (0, len(offs) // 2 - 1, len(offs) - 2):
+        start, end = offs[t], offs[t + 1]
+        if end - start < 2:
+            continue
+        row = start + (end - start) // 2 if end - start > 2 else start
+        bad = d.with_columns(pl.when(pl.int_range(pl.len()) == row).then(True).otherwise(pl.col("done")).alias("done"))
+        with pytest.raises(TableError, match=f"done=true before the last step in trajectory '{d['traj_id'][start]}'"):
+            schema.validate(bad)
+
+
 def test_validate_same_errors_sorted_or_not(df):
     """validate() skips its group-by on sorted tables: the errors are the same either way."""
     d = schema.sort_steps(df)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from qevolve_cli.envs.registry import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
+from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import QevolveError
 
 SPLITS = ("train", "test_seen", "test_unseen", "test")
@@ -46,8 +46,24 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def run_command(fn: Callable[[], R]) -> R:
-    """Run a command body, mapping user errors to one-line messages and exit 2."""
+def restore_gc(keep_off: bool = False) -> None:
+    """Turn the cyclic garbage collector back on if the entry point turned it off for start-up
+    (``qevolve_cli/__main__.py``); ``keep_off``: a short command that allocates few Python objects
+    finishes without it. Library and test callers never had it turned off: nothing changes for them."""
+    import gc
+
+    import qevolve_cli
+
+    if getattr(qevolve_cli, "_gc_off_for_startup", False) and not keep_off:
+        qevolve_cli._gc_off_for_startup = False
+        gc.enable()
+
+
+def run_command(fn: Callable[[], R], keep_gc_off: bool = False) -> R:
+    """Run a command body, mapping user errors to one-line messages and exit 2.
+
+    ``keep_gc_off``: see :func:`restore_gc` (only for short commands without model code)."""
+    restore_gc(keep_gc_off)
     try:
         result = fn()
         training = sys.modules.get("qevolve_cli.training")

@@ -14,7 +14,6 @@ from qevolve_cli.commands.common import (
     flag_names,
     naming_flags,
     run_command,
-    stderr_console,
 )
 
 HELP = """Label one or more step tables into ONE labelled table (docs/commands.md).
@@ -66,17 +65,18 @@ def register(app: typer.Typer) -> None:
             if json_out:
                 emit_json(summary)
             else:
-                c = stderr_console()
-                c.print(
-                    f"[green]wrote[/green] {summary['out']}: {summary['trajectories']} trajectories, "
+                # click's styling, not rich: importing rich costs a tenth of a short `label` run
+                typer.echo(
+                    typer.style("wrote", fg="green") + f" {summary['out']}: {summary['trajectories']} trajectories, "
                     f"{summary['steps']} steps, success {summary['success_rate']:.3f}, "
-                    f"aux {summary['aux_kind']} in {summary['seconds']['total']:.2f}s"
-                )
+                    f"aux {summary['aux_kind']} in {summary['seconds']['total']:.2f}s", err=True)
                 if "prefix" in summary:
                     p = summary["prefix"]
-                    c.print("prefix positions: " + ", ".join(f"{k}={v}" for k, v in p.items()))
+                    typer.echo("prefix positions: " + ", ".join(f"{k}={v}" for k, v in p.items()), err=True)
 
-        run_command(body)
+        # without --tokenizer/--critic, label makes a few hundred Python objects (the rows live in
+        # Polars and the Rust core): it can finish without the cyclic collector (restore_gc)
+        run_command(body, keep_gc_off=tokenizer is None and critic is None)
 
 
 def _has_section(path: Path, name: str) -> bool:

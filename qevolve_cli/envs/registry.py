@@ -1,20 +1,18 @@
 """Environment registry: ``make_env``, ``list_tasks`` and the per-environment step limits.
 
-Step limits (the paper's "maximum episode length"; TextCraft is our choice):
-WebShop 10, SciWorld 24, ALFWorld 30, TextCraft 40 (expert plans: median 6, max 48 steps).
+Step limits: ``qevolve_cli/env_names.py``.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+from qevolve_cli.env_names import ENV_NAMES, MAX_STEPS  # noqa: F401 - re-exported
 from qevolve_cli.envs.base import Env, Task
 from qevolve_cli.envs.splits import SPLITS_BY_ENV, task_from_id
 from qevolve_cli.envs.splits import list_tasks as _list_tasks
 from qevolve_cli.errors import QevolveError
 
-MAX_STEPS = {"webshop": 10, "sciworld": 24, "alfworld": 30, "textcraft": 40, "lamps": 16}  # lamps: envs/builtin.py
-ENV_NAMES = tuple(MAX_STEPS)
 _CLASSES = {
     "textcraft": ("qevolve_cli.envs.textcraft", "TextCraftEnv"),
     "sciworld": ("qevolve_cli.envs.sciworld", "SciWorldEnv"),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
-from qevolve_cli.envs.registry import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
+from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import ConfigError
 
 SCALES = ("paper", "smoke", "cpu")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qevolve_cli.config import ConfigBase, field
-from qevolve_cli.envs.registry import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
+from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import ConfigError
 
 SPLITS = ("train", "test_seen", "test_unseen", "test")

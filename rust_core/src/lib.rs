@@ -16,7 +16,7 @@ pub mod ragged;
 pub mod weights;
 
 pub use error::CoreError;
-pub use ragged::{check_offsets, offsets_from_ids};
+pub use ragged::{broadcast, check_offsets, offsets_from_ids, step_order_offsets};
 
 /// A column of strings, indexable by row. Implemented for `&[S: AsRef<str>]`
 /// here and for Arrow string arrays in the binding layer.
@@ -29,6 +29,11 @@ pub trait StrColumn: Sync {
     }
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// Whether rows `i` and `j` hold equal strings. Layouts that can answer without reading the
+    /// strings (Arrow string views: equal views, or different lengths/prefixes) override it.
+    fn eq_rows(&self, i: usize, j: usize) -> bool {
+        self.get(i) == self.get(j)
     }
 }
 

@@ -54,6 +54,26 @@ fn import_c_array(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<ArrayRef> {
     Ok(make_array(data))
 }
 
+/// Import every chunk of a column: one array for `__arrow_c_array__`, each array of a stream
+/// (a Polars Series read from Parquet has one chunk per row group; copying them into one costs
+/// 15 ms per million strings in a fresh process, more than the pass that reads them).
+pub fn import_chunks(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<ArrayRef>> {
+    if !obj.hasattr("__arrow_c_array__")? && obj.hasattr("__arrow_c_stream__")? {
+        return stream_chunks(name, obj);
+    }
+    Ok(vec![import_array(name, obj)?])
+}
+
+fn stream_chunks(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<ArrayRef>> {
+    let cap = obj.call_method0("__arrow_c_stream__")?;
+    let cap = cap.cast::<PyCapsule>()?;
+    let ptr = cap.pointer_checked(Some(STREAM_NAME))?.cast::<FFI_ArrowArrayStream>();
+    let err = |e: arrow_schema::ArrowError| PyValueError::new_err(format!("column '{name}': cannot import Arrow stream: {e}"));
+    // SAFETY: as in import_c_stream
+    let reader = unsafe { ArrayStreamReader::from_raw(ptr.as_ptr()) }.map_err(err)?;
+    reader.collect::<Result<Vec<ArrayRef>, _>>().map_err(err)
+}
+
 fn import_c_stream(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<ArrayRef> {
     let cap = obj.call_method0("__arrow_c_stream__")?;
     let cap = cap.cast::<PyCapsule>()?;
@@ -151,6 +171,100 @@ impl qevolve_core::StrColumn for StrArr<'_> {
             StrArr::Utf8(a) => a.is_null(i),
             StrArr::Large(a) => a.is_null(i),
             StrArr::View(a) => a.is_null(i),
+        }
+    }
+    fn eq_rows(&self, i: usize, j: usize) -> bool {
+        match self {
+            StrArr::View(a) => view_rows_eq(a, i, j),
+            _ => self.get(i) == self.get(j),
+        }
+    }
+}
+
+impl StrArr<'_> {
+    pub fn null_count(&self) -> usize {
+        match self {
+            StrArr::Utf8(a) => a.null_count(),
+            StrArr::Large(a) => a.null_count(),
+            StrArr::View(a) => a.null_count(),
+        }
+    }
+}
+
+/// Rows `i` and `j` of a string-view array are equal. A view is 16 bytes: the length, then the
+/// first 4 bytes, then (up to 12 bytes) the rest inline or (longer) the buffer and offset of the
+/// whole string. Equal views are equal strings; different length-and-prefix words, or different
+/// inline views, are different strings; only long strings with the same length and prefix at
+/// different places are compared byte by byte. Tables read from Parquet repeat a trajectory's id
+/// as the same view, so a run of equal ids costs one 16-byte comparison per row.
+fn view_rows_eq(a: &arrow_array::StringViewArray, i: usize, j: usize) -> bool {
+    let views = a.views();
+    let (vi, vj) = (views[i], views[j]);
+    if vi == vj {
+        return true;
+    }
+    if (vi as u64) != (vj as u64) || (vi as u32) <= 12 {
+        return false;
+    }
+    a.value(i) == a.value(j)
+}
+
+/// A string column made of several chunks (a Polars Series read from Parquet), indexed by row.
+pub struct ChunkedStr<'a> {
+    chunks: Vec<StrArr<'a>>,
+    /// first row of each chunk, then the total
+    starts: Vec<usize>,
+    /// the chunk of the last lookup: passes go row by row, so it is almost always the next one's
+    hint: std::sync::atomic::AtomicUsize,
+}
+
+impl<'a> ChunkedStr<'a> {
+    pub fn from(name: &str, arrays: &'a [ArrayRef]) -> PyResult<Self> {
+        let mut starts = vec![0usize];
+        let mut chunks = Vec::with_capacity(arrays.len());
+        for a in arrays {
+            chunks.push(StrArr::from(name, a)?);
+            starts.push(starts.last().unwrap() + a.len());
+        }
+        Ok(ChunkedStr { chunks, starts, hint: std::sync::atomic::AtomicUsize::new(0) })
+    }
+
+    pub fn null_count(&self) -> usize {
+        self.chunks.iter().map(|c| c.null_count()).sum()
+    }
+
+    /// (chunk, row within it) of row `i`
+    #[inline]
+    fn locate(&self, i: usize) -> (usize, usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let h = self.hint.load(Relaxed);
+        if h + 1 < self.starts.len() && self.starts[h] <= i && i < self.starts[h + 1] {
+            return (h, i - self.starts[h]);
+        }
+        let c = self.starts.partition_point(|&s| s <= i) - 1;
+        self.hint.store(c, Relaxed);
+        (c, i - self.starts[c])
+    }
+}
+
+impl qevolve_core::StrColumn for ChunkedStr<'_> {
+    fn len(&self) -> usize {
+        *self.starts.last().unwrap()
+    }
+    fn get(&self, i: usize) -> &str {
+        let (c, r) = self.locate(i);
+        self.chunks[c].get(r)
+    }
+    fn is_null(&self, i: usize) -> bool {
+        let (c, r) = self.locate(i);
+        self.chunks[c].is_null(r)
+    }
+    fn eq_rows(&self, i: usize, j: usize) -> bool {
+        let ((ci, ri), (cj, rj)) = (self.locate(i), self.locate(j));
+        if ci == cj {
+            self.chunks[ci].eq_rows(ri, rj)
+        } else {
+            self.chunks[ci].get(ri) == self.chunks[cj].get(rj)
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Bindings of labels, weights, GAE and ragged helpers.
-use crate::arrow_io::{bool_vec, f32_slice, i64_slice, import_array, u32_slice, ArrowExport, StrArr};
+use crate::arrow_io::{bool_vec, f32_slice, i32_slice, i64_slice, import_array, import_chunks, u32_slice, ArrowExport, ChunkedStr, StrArr};
 use crate::to_py_err;
-use arrow_array::builder::StringViewBuilder;
-use arrow_array::{ArrayRef, BooleanArray, Float32Array, Int64Array, StringArray};
+use arrow_array::{ArrayRef, BooleanArray, Float32Array, Int64Array, StringArray, StringViewArray};
+use arrow_buffer::ScalarBuffer;
+use rayon::prelude::*;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use qevolve_core::{gae, labels, weights};
@@ -35,10 +36,48 @@ fn parse_actions(py: Python<'_>, actions: &Bound<'_, PyAny>) -> PyResult<ArrowEx
 /// offsets_from_ids(ids: pa.Array[str]) -> ArrowExport[int64]
 #[pyfunction]
 fn offsets_from_ids(py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<ArrowExport> {
-    let arr = import_array("traj_id", ids)?;
-    let col = StrArr::from("traj_id", &arr)?;
+    let arrs = import_chunks("traj_id", ids)?;
+    let col = ChunkedStr::from("traj_id", &arrs)?;
     let out = py.detach(|| qevolve_core::offsets_from_ids(&col));
     Ok(export(Arc::new(Int64Array::from(out))))
+}
+
+/// step_order_offsets(ids, step: int32) -> ArrowExport[int64] | None: the trajectory offsets
+/// when every trajectory's rows are adjacent with steps 0, 1, 2, ...; None otherwise.
+#[pyfunction]
+fn step_order_offsets(py: Python<'_>, ids: &Bound<'_, PyAny>, step: &Bound<'_, PyAny>) -> PyResult<Option<ArrowExport>> {
+    // the ids in their chunks as read (no copy into one), the steps as one int32 array
+    let (ia, sa) = (import_chunks("traj_id", ids)?, import_array("step", step)?);
+    let col = ChunkedStr::from("traj_id", &ia)?;
+    let st = i32_slice("step", &sa)?;
+    {
+        use qevolve_core::StrColumn;
+        if st.len() != col.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "column 'step': {} rows, but traj_id has {}",
+                st.len(),
+                col.len()
+            )));
+        }
+    }
+    if col.null_count() > 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "column 'traj_id': {} null values",
+            col.null_count()
+        )));
+    }
+    let out = py.detach(|| qevolve_core::step_order_offsets(&col, st));
+    Ok(out.map(|o| export(Arc::new(Int64Array::from(o)))))
+}
+
+/// broadcast_bool(offsets, per_traj: bool) -> ArrowExport[bool]: each trajectory's value on its rows.
+#[pyfunction]
+fn broadcast_bool(py: Python<'_>, offsets: &Bound<'_, PyAny>, per_traj: &Bound<'_, PyAny>) -> PyResult<ArrowExport> {
+    let o = import_array("offsets", offsets)?;
+    let o = i64_slice("offsets", &o)?;
+    let v = bool_vec("values", &import_array("values", per_traj)?)?;
+    let out = py.detach(|| qevolve_core::broadcast(o, &v)).map_err(to_py_err)?;
+    Ok(export(Arc::new(BooleanArray::from(out))))
 }
 
 /// trajectory_success(offsets, reward_env) -> ArrowExport[bool] (one per trajectory)
@@ -151,22 +190,29 @@ fn label_steps(
         .collect::<PyResult<Vec<_>>>()?;
     let (r, kinds) = py
         .detach(|| {
-            labels::label_steps(&a, &o, &n, c, &compiled).map(|(r, k)| {
-                // string views: the kind names fit inline (<= 12 bytes), so there is no data
-                // buffer to fill, and Polars takes views as they are (plain strings it converts)
-                let mut b = StringViewBuilder::with_capacity(k.len());
-                k.iter().for_each(|k| b.append_value(k.as_str()));
-                (r, b.finish())
-            })
+            labels::label_steps(&a, &o, &n, c, &compiled).map(|(r, k)| (r, kind_views(&k)))
         })
         .map_err(to_py_err)?;
     Ok((export(Arc::new(Float32Array::from(r))), export(Arc::new(kinds))))
+}
+
+/// The kind names as a string-view array. Every name fits inline in its 16-byte view (<= 12
+/// bytes), so there is no data buffer: one view per kind is made once and copied per row (a
+/// builder appending 1M values took 10-20 ms). Polars takes views as they are.
+fn kind_views(kinds: &[labels::AuxKind]) -> StringViewArray {
+    use labels::AuxKind::*;
+    let table: [u128; 4] = [None, Format, Invalid, Repeat].map(|k| arrow_array::builder::make_view(k.as_str().as_bytes(), 0, 0));
+    let views: Vec<u128> = kinds.par_iter().map(|&k| table[k as usize]).collect();
+    // SAFETY: each view is a valid inline view of a UTF-8 string of <= 12 bytes; no buffers needed
+    unsafe { StringViewArray::new_unchecked(ScalarBuffer::from(views), Arc::from(Vec::new()), Option::None) }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_action, m)?)?;
     m.add_function(wrap_pyfunction!(parse_actions, m)?)?;
     m.add_function(wrap_pyfunction!(offsets_from_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(step_order_offsets, m)?)?;
+    m.add_function(wrap_pyfunction!(broadcast_bool, m)?)?;
     m.add_function(wrap_pyfunction!(trajectory_success, m)?)?;
     m.add_function(wrap_pyfunction!(step_weights, m)?)?;
     m.add_function(wrap_pyfunction!(gae_advantages, m)?)?;

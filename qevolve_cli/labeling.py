@@ -59,28 +59,20 @@ def load_rules(path: str | Path | None, envs: list[str]) -> list[dict[str, Any]]
     return out
 
 
-def read_inputs(paths: list[Path]) -> pl.DataFrame:
-    return read_inputs_with_offsets(paths)[0]
-
-
-def read_inputs_with_offsets(paths: list[Path]) -> tuple[pl.DataFrame, pl.Series | None]:
+def read_inputs(paths: list[Path]) -> tuple[pl.DataFrame, pl.Series | None]:
     """The union of the input tables, validated; with its trajectory offsets when it is one table
     in step order (what qevolve writes), else None."""
     if len(paths) == 1:
         return schema.read_steps(paths[0])
-    frames = []
-    for p in paths:
-        frames.append(schema.read_table(p))
-    df = pl.concat(frames, how="diagonal_relaxed")
-    if len(frames) > 1:
-        # validation of the union catches a trajectory id used in two inputs
-        seen: dict[str, Path] = {}
-        for p, f in zip(paths, frames, strict=True):
-            for tid in f["traj_id"].unique().to_list():
-                if tid in seen:
-                    raise TableError(p, "traj_id", f"trajectory {tid!r} also appears in {seen[tid]}")
-                seen[tid] = p
-    return df, None
+    frames = [schema.read_table(p) for p in paths]
+    # validation of the union catches a trajectory id used in two inputs
+    seen: dict[str, Path] = {}
+    for p, f in zip(paths, frames, strict=True):
+        for tid in f["traj_id"].unique().to_list():
+            if tid in seen:
+                raise TableError(p, "traj_id", f"trajectory {tid!r} also appears in {seen[tid]}")
+            seen[tid] = p
+    return pl.concat(frames, how="diagonal_relaxed"), None
 
 
 def label_frame(
@@ -206,7 +198,7 @@ def label_tables(
             raise QevolveError(f"{out}: the output would overwrite an input table (inputs are never modified)")
     t_all = time.perf_counter()
     t0 = time.perf_counter()
-    df, in_offsets = read_inputs_with_offsets(paths)
+    df, in_offsets = read_inputs(paths)
     t_read = time.perf_counter() - t0
     tok = None
     if tokenizer is not None:

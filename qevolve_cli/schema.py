@@ -123,6 +123,15 @@ def conform(df: pl.DataFrame, path: str | Path | None = None, require: Iterable[
     return df
 
 
+def _first_unknown(s: pl.Series, allowed: Sequence[str]) -> str | None:
+    """The first value of ``s`` not in ``allowed`` (None when all are known). A comparison per
+    allowed value: a third of the time of ``is_in`` on 1M strings."""
+    known = s == allowed[0]
+    for v in allowed[1:]:
+        known = known | (s == v)
+    return None if known.all() else s.filter(~known)[0]
+
+
 def validate(df: pl.DataFrame, path: str | Path | None = None, require: Iterable[str] = ()) -> pl.DataFrame:
     """Full validation of a step table; returns it conformed (canonical dtypes). See :func:`validate_steps`."""
     return validate_steps(df, path, require)[0]
@@ -161,16 +170,13 @@ def validate_steps(df: pl.DataFrame, path: str | Path | None = None,
             )
         if name in ("reward_env", "reward_aux", "weight") and s.null_count():
             raise TableError(path, name, f"{s.null_count()} null values")
-    src = df["source"]
-    known = src == SOURCES[0]  # a comparison per known value: a third of the time of is_in on 1M strings
-    for v in SOURCES[1:]:
-        known = known | (src == v)
-    if not known.all():
-        raise TableError(path, "source", f"unknown value {src.filter(~known)[0]!r} (expected one of {SOURCES})")
+    bad_src = _first_unknown(df["source"], SOURCES)
+    if bad_src is not None:
+        raise TableError(path, "source", f"unknown value {bad_src!r} (expected one of {SOURCES})")
     if "aux_kind" in df.columns:
-        bad_kind = df.filter(~pl.col("aux_kind").is_in(list(AUX_KINDS)))
-        if bad_kind.height:
-            raise TableError(path, "aux_kind", f"unknown value {bad_kind['aux_kind'][0]!r}")
+        bad_kind = _first_unknown(df["aux_kind"], AUX_KINDS)
+        if bad_kind is not None:
+            raise TableError(path, "aux_kind", f"unknown value {bad_kind!r}")
     if (df["step"] < 0).any():
         raise TableError(path, "step", "negative step")
     offs = step_offsets(df)

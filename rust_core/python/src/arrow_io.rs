@@ -69,20 +69,14 @@ fn stream_chunks(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<ArrayRef>> 
     let cap = cap.cast::<PyCapsule>()?;
     let ptr = cap.pointer_checked(Some(STREAM_NAME))?.cast::<FFI_ArrowArrayStream>();
     let err = |e: arrow_schema::ArrowError| PyValueError::new_err(format!("column '{name}': cannot import Arrow stream: {e}"));
-    // SAFETY: as in import_c_stream
+    // SAFETY: the capsule holds an unreleased FFI_ArrowArrayStream (PyCapsule protocol);
+    // `from_raw` moves it out and leaves a released one behind for the capsule's destructor.
     let reader = unsafe { ArrayStreamReader::from_raw(ptr.as_ptr()) }.map_err(err)?;
     reader.collect::<Result<Vec<ArrayRef>, _>>().map_err(err)
 }
 
 fn import_c_stream(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<ArrayRef> {
-    let cap = obj.call_method0("__arrow_c_stream__")?;
-    let cap = cap.cast::<PyCapsule>()?;
-    let ptr = cap.pointer_checked(Some(STREAM_NAME))?.cast::<FFI_ArrowArrayStream>();
-    let err = |e: arrow_schema::ArrowError| PyValueError::new_err(format!("column '{name}': cannot import Arrow stream: {e}"));
-    // SAFETY: the capsule holds an unreleased FFI_ArrowArrayStream (PyCapsule protocol);
-    // `from_raw` moves it out and leaves a released one behind for the capsule's destructor.
-    let reader = unsafe { ArrayStreamReader::from_raw(ptr.as_ptr()) }.map_err(err)?;
-    let mut chunks = reader.collect::<Result<Vec<ArrayRef>, _>>().map_err(err)?;
+    let mut chunks = stream_chunks(name, obj)?;
     match chunks.len() {
         1 => Ok(chunks.pop().unwrap()),
         0 => Err(PyValueError::new_err(format!("column '{name}': the Arrow stream has no array"))),

@@ -38,6 +38,18 @@ class LabelConfig(ConfigBase):
         choices=ADVANTAGES,
     )
     max_length: int | None = field(None, help="Token budget for prefix indexing (None: the tokenizer's maximum).", gt=0)
+    value_source: str = field(
+        "critic",
+        help="Where value/next_value come from: critic (--critic DIR, or the input's columns), oracle (the "
+        "environment's exact solver: V* = gamma^(d-1), lamps and lamps-hard), tabular_iql (exact weighted IQL "
+        "on the table's own transitions with the solver's states: a perfect critic's values).",
+        choices=("critic", "oracle", "tabular_iql"),
+    )
+    fit_reward: str = field("env_aux", help="tabular_iql: the reward V is fit on: env_aux (r_env + r_aux, the "
+                                            "paper's critic) or env (r_env only).", choices=("env_aux", "env"))
+    expectile: float = field(0.7, help="tabular_iql: expectile m of V (the critic's default).", gt=0, lt=1)
+    oracle_max_steps: int | None = field(None, help="oracle / tabular_iql: the episodes' step limit (default: "
+                                                    "the environment's).", gt=0)
 
 
 def load_rules(path: str | Path | None, envs: list[str]) -> list[dict[str, Any]]:
@@ -127,6 +139,19 @@ def label_frame(
         df = add_prefix_positions(df, tokenizer, max_length=cfg.max_length, stats=pstats)
         timings["prefix"] = time.perf_counter() - t0
         timings["prefix_stats"] = pstats  # fallbacks to the slow path, truncated / overlong steps
+
+    if cfg.value_source != "critic":
+        if critic is not None:
+            raise QevolveError(f"--critic and value_source={cfg.value_source} both give values: choose one")
+        t0 = time.perf_counter()
+        from qevolve_cli.envs import oracle
+
+        if cfg.value_source == "oracle":
+            df = oracle.oracle_values(df, cfg.gamma, source=source, max_steps=cfg.oracle_max_steps)
+        else:
+            df = oracle.tabular_iql_values(df, cfg.gamma, cfg.expectile, cfg.fit_reward, source=source,
+                                           max_steps=cfg.oracle_max_steps)
+        timings["values"] = time.perf_counter() - t0
 
     if critic is not None:
         t0 = time.perf_counter()

@@ -21,8 +21,9 @@ HELP = """Label one or more step tables into ONE labelled table (docs/commands.m
 \b
 Adds reward_aux / aux_kind (retrospective labels, rules per env from configs/labels.yaml),
 success and weight (w_t = (t/T + d)*0.5 + 0.5); with --tokenizer the prefix positions
-pos_s / pos_sa / pos_next; with --critic (or value/next_value already present) the GAE
-process reward `advantage`. Input files are never modified; the output is written atomically.
+pos_s / pos_sa / pos_next; with --critic (or value/next_value already present, or
+--value-source oracle on an environment with an exact solver) the GAE process reward
+`advantage`. Input files are never modified; the output is written atomically.
 
 \b
 Examples:
@@ -30,6 +31,7 @@ Examples:
   qevolve label expert.parquet self.parquet --out labeled.parquet --tokenizer runs/bc/policy
   qevolve label labeled.parquet --critic runs/iter_1/critic --out advantages.parquet --json
   qevolve label buf.parquet --out l.parquet --no-retrospective     # ablation w/o RR
+  qevolve label expert.parquet self.parquet --out exact.parquet --value-source oracle   # exact V* (lamps)
 """
 
 
@@ -44,13 +46,17 @@ def register(app: typer.Typer) -> None:
         advantage: Annotated[str | None, typer.Option("--advantage", help="Process reward: gae, gae_aux, td, q_minus_v.")] = None,
         retrospective: Annotated[bool | None, typer.Option("--retrospective/--no-retrospective", help="Retrospective labels on/off (ablation).")] = None,
         max_length: Annotated[int | None, typer.Option("--max-length", help="Token budget for prefix indexing.")] = None,
+        value_source: Annotated[str | None, typer.Option(
+            "--value-source", help="value/next_value from: critic (default; --critic), oracle (exact V* of the "
+                                   "env's solver: lamps, lamps-hard), tabular_iql (exact IQL on the table).")] = None,
         json_out: JsonOpt = False,
     ) -> None:
         def body() -> None:
             from qevolve_cli.config import load_config
             from qevolve_cli.labeling import LabelConfig, label_tables
 
-            overrides = {"advantage": advantage, "retrospective": retrospective, "max_length": max_length}
+            overrides = {"advantage": advantage, "retrospective": retrospective, "max_length": max_length,
+                         "value_source": value_source}
             cfg = naming_flags(lambda: load_config(
                 LabelConfig, config, section="label" if config and _has_section(config, "label") else None,
                 overrides=overrides,

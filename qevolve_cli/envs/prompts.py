@@ -100,7 +100,12 @@ Your response should use the following format:
 Thought: <your thoughts>
 Action: <your next action>"""
 
-BUILTIN_PROMPTS = {"lamps": LAMPS}
+LAMPS_HARD = LAMPS.replace(
+    "Your task names the rooms whose lamps you must turn on, in order.",
+    "Your task names the rooms whose lamps you must turn on, in order, and the most steps you may take: "
+    "every step counts, a wrong way costs two.")
+
+BUILTIN_PROMPTS = {"lamps": LAMPS, "lamps-hard": LAMPS_HARD}
 
 
 def instruction_prompt(env: str) -> str:

@@ -19,6 +19,7 @@ _CLASSES = {
     "alfworld": ("qevolve_cli.envs.alfworld", "AlfWorldEnv"),
     "webshop": ("qevolve_cli.envs.webshop", "WebShopEnv"),
     "lamps": ("qevolve_cli.envs.builtin", "LampsEnv"),
+    "lamps-hard": ("qevolve_cli.envs.builtin", "LampsHardEnv"),
 }
 
 

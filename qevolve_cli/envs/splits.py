@@ -33,6 +33,7 @@ SPLITS_BY_ENV = {
     "webshop": ("train", "test"),
     "textcraft": ("train", "test_seen", "test_unseen"),
     "lamps": ("train", "test_seen", "test_unseen"),  # built in: envs/builtin.py
+    "lamps-hard": ("train", "test_seen", "test_unseen"),
 }
 _SCIWORLD_FILES = {"train": "train_indices.json", "test_seen": "dev_indices.json", "test_unseen": "test_indices.json"}
 _WEBSHOP_FILES = {"train": "train_indices.json", "test": "test_indices.json"}
@@ -75,10 +76,10 @@ def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
     elif env == "webshop":
         ids = list(dict.fromkeys(_load("webshop", _WEBSHOP_FILES[split])))  # train lists one id twice
         tasks = [Task("webshop", f"webshop:{int(i)}", split, None, {"session": int(i)}) for i in ids]
-    elif env == "lamps":
+    elif env in ("lamps", "lamps-hard"):
         from qevolve_cli.envs.builtin import list_lamps_tasks
 
-        tasks = list_lamps_tasks(split)
+        tasks = list_lamps_tasks(split, env)
     else:
         from qevolve_cli.envs.textcraft import list_goal_tasks
 
@@ -98,11 +99,11 @@ def task_from_id(env: str, task_id: str, split: str = "") -> Task:
         return Task(env, f"webshop:{body}", split, None, {"session": int(body) if body.isdigit() else body})
     if env == "textcraft":
         return Task(env, f"textcraft:{body}", split, body.split("_")[-1], {"goal": body})
-    if env == "lamps":
+    if env in ("lamps", "lamps-hard"):
         from qevolve_cli.envs.builtin import make_task
 
         try:
-            return make_task(task_id, split)
+            return make_task(task_id, split, env)
         except ValueError as e:
             raise QevolveError(str(e)) from None
     raise QevolveError(f"unknown environment {env!r}")

@@ -57,7 +57,10 @@ class PolicyConfig(ConfigBase):
     old_refresh_steps: int = field(0, help="Refresh pi_old from the current policy every N optimiser steps "
                                            "(0 = never; paper iter 1: no/50/200 for ALFWorld/SciWorld/WebShop).",
                                    ge=0)
-    normalize_advantage: bool = field(False, help="Standardise advantages over the training steps.")
+    normalize_advantage: bool = field(True, help="Standardise advantages over the training steps (mean 0, std 1). "
+                                                 "Off, an accurate critic's advantages (mostly < 0: IQL's V is an "
+                                                 "upper expectile) only push actions down and the policy collapses "
+                                                 "(docs/compare.md, 'Oracle diagnosis').")
     # AWR ablation
     awr_beta: float = field(1.0, help="AWR temperature beta in exp(A / beta).", gt=0)
     awr_max_weight: float = field(20.0, help="AWR weights are clipped to this maximum.", gt=0)

@@ -27,6 +27,7 @@ COMMANDS = {
     "alfworld": ["look", "inventory", "go to countertop 1", "go to cabinet 1", "open cabinet 1"],
     "webshop": ["search[shirt]", "click[back to search]"],
     "lamps": ["go east", "go west", "turn on lamp", "go east", "turn on lamp"],
+    "lamps-hard": ["go east", "go west", "turn on lamp", "go east", "turn on lamp"],
 }
 
 

@@ -20,6 +20,9 @@ def startup_without_gc() -> None:
 
 def main() -> None:
     startup_without_gc()
+    from qevolve_cli.launcher import die_with_launcher
+
+    die_with_launcher()  # a worker of torchrun / deepspeed dies with its launcher (qevolve_cli/launcher.py)
     from qevolve_cli.cli import main as cli_main
 
     cli_main()

@@ -744,32 +744,70 @@ def start_checkpoint(ckpt_dir: Path, tag: str, is_main: bool) -> Path:
     return tag_dir
 
 
+def checkpoint_manifest(tag_dir: Path) -> dict[str, int]:
+    """Every file of a checkpoint directory -> its size in bytes (written into the pointer that commits it)."""
+    tag_dir = Path(tag_dir)
+    return {str(f.relative_to(tag_dir)): f.stat().st_size for f in sorted(tag_dir.rglob("*")) if f.is_file()}
+
+
 def commit_checkpoint(ckpt_dir: Path, pointer: str, meta: dict[str, Any]) -> None:
     """Make ``meta["tag"]`` THE checkpoint: replace the pointer file atomically, then remove the other
     ``step*`` directories (the previous checkpoint, uncommitted leftovers). A kill at any moment leaves
-    either the previous checkpoint or the new one, both complete. Rank 0 only."""
+    either the previous checkpoint or the new one, both complete. The pointer lists the checkpoint's
+    files and sizes (``files``): a resume reads a checkpoint only when all of them are there
+    (:func:`check_checkpoint_files`). Rank 0 only, after every rank has written and fsynced its files."""
     from qevolve_cli.atomic import write_json
 
+    meta = {**meta, "files": checkpoint_manifest(Path(ckpt_dir) / str(meta["tag"]))}
     write_json(Path(ckpt_dir) / pointer, meta)
     for d in Path(ckpt_dir).glob("step*"):
         if d.name != meta["tag"] and d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
 
 
-def read_checkpoint_pointer(ckpt_dir: Path, pointer: str = "meta.json") -> dict[str, Any] | None:
-    """The committed checkpoint's pointer (None when there is none); one-line errors for a broken one."""
+def read_checkpoint_pointer(ckpt_dir: Path, pointer: str = "meta.json",
+                            needs: tuple[str, ...] = ("epoch", "epoch_step", "step")) -> dict[str, Any] | None:
+    """The committed checkpoint's pointer (None when there is none); one-line errors for a broken one: an
+    unreadable or half-written pointer, one without the fields ``needs``, a checkpoint directory or file it
+    lists that is missing or of another size (:func:`check_checkpoint_files`)."""
     p = Path(ckpt_dir) / pointer
     if not p.is_file():
         return None
     try:
         meta = json.loads(p.read_text())
-    except ValueError:
+    except (ValueError, UnicodeDecodeError):
         raise QevolveError(f"{p}: unreadable checkpoint pointer; delete {ckpt_dir} to start over") from None
     if not isinstance(meta, dict) or "tag" not in meta:
         raise QevolveError(f"{ckpt_dir}: checkpoint of an older qevolve version (no tag); delete it to start over")
-    if not (Path(ckpt_dir) / str(meta["tag"])).is_dir():
-        raise QevolveError(f"{ckpt_dir}: the committed checkpoint {meta['tag']} is missing; delete it to start over")
+    lacking = [k for k in needs if k not in meta]
+    if lacking:
+        raise QevolveError(f"{p}: field {lacking[0]}: missing from the checkpoint pointer; delete {ckpt_dir} to "
+                           "start over")
+    check_checkpoint_files(Path(ckpt_dir), meta)
     return meta
+
+
+def check_checkpoint_files(ckpt_dir: Path, meta: dict[str, Any]) -> None:
+    """The committed checkpoint ``meta["tag"]`` is whole: its directory exists and every file the pointer lists
+    (``files``: pointers written before qevolve listed them are taken as they are) has its recorded size."""
+    tag_dir = Path(ckpt_dir) / str(meta["tag"])
+    if not tag_dir.is_dir():
+        raise QevolveError(f"{ckpt_dir}: the committed checkpoint {meta['tag']} is missing; delete it to start over")
+    files = meta.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict):
+        raise QevolveError(f"{ckpt_dir}: field files: not a file list in the checkpoint pointer; delete it to start over")
+    for rel, size in files.items():
+        f = tag_dir / rel
+        try:
+            have = f.stat().st_size
+        except OSError:
+            raise QevolveError(f"{ckpt_dir}: the committed checkpoint {meta['tag']} is incomplete ({rel} is missing: "
+                               "another process may be writing or removing it); delete it to start over") from None
+        if have != size:
+            raise QevolveError(f"{ckpt_dir}: the committed checkpoint {meta['tag']} is incomplete ({rel} has {have} "
+                               f"bytes, the pointer says {size}); delete it to start over")
 
 
 def check_checkpoint_backend(ckpt_dir: Path, meta: dict[str, Any], backend) -> None:

@@ -151,9 +151,56 @@ def test_mid_epoch_checkpoint_resumes_at_the_next_step(tmp_path):
     with pytest.raises(QevolveError, match="another configuration, data or model"):
         train_loop(_model(), steps_for(24), _loss_fn(x, y), dataclasses.replace(args, fingerprint="other"))
     # a checkpoint resumes only under the backend that wrote it (one-line error, nothing trained)
-    (ck / "meta.json").write_text(json.dumps({**meta, "tag": "step00000009", "backend": "deepspeed"}))
+    meta9 = json.loads((ck / "meta.json").read_text())
+    (ck / "meta.json").write_text(json.dumps({**meta9, "backend": "deepspeed"}))
     with pytest.raises(QevolveError, match="written by a deepspeed run, this is a torch run"):
         train_loop(_model(), steps_for(24), _loss_fn(x, y), args)
+
+
+def test_resume_reads_a_checkpoint_only_through_a_complete_pointer(tmp_path):
+    """The pointer that commits a checkpoint lists its files and sizes; a resume that finds the pointer cut
+    short, a field missing, the checkpoint directory gone, or a listed file missing or of another size (a
+    predecessor still rotating checkpoints, a copy interrupted) stops with one line before loading anything;
+    the complete checkpoint then resumes."""
+    import shutil
+
+    from qevolve_cli.errors import QevolveError
+    from qevolve_cli.training import read_checkpoint_pointer
+
+    x, y = _data(24)
+    args = _args(tmp_path / "run", checkpoint_every_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        train_loop(_model(), steps_for(24), _loss_fn(x, y, fail_at_step=3), args)
+    ck = tmp_path / "run" / "ckpt"
+    good = (ck / "meta.json").read_text()
+    meta = json.loads(good)
+    assert meta["tag"] == "step00000003" and set(meta["files"]) == {"trainable.safetensors", "optimizer.pt",
+                                                                    "state.pt", "rng_rank0.pt"}
+    assert meta["files"]["state.pt"] == (ck / "step00000003" / "state.pt").stat().st_size > 0
+    saved = tmp_path / "saved"
+    shutil.copytree(ck / "step00000003", saved)
+
+    def refused(match: str) -> None:
+        with pytest.raises(QevolveError, match=match) as e:
+            train_loop(_model(), steps_for(24), _loss_fn(x, y), args)
+        assert "\n" not in str(e.value) and "delete" in str(e.value)
+
+    (ck / "meta.json").write_text(good[: len(good) // 2])  # half-written (a copy cut short)
+    refused("unreadable checkpoint pointer")
+    (ck / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "step"}))
+    refused("field step: missing from the checkpoint pointer")
+    (ck / "meta.json").write_text(good)
+    with open(ck / "step00000003" / "optimizer.pt", "r+b") as f:  # truncated
+        f.truncate(10)
+    refused(r"step00000003 is incomplete \(optimizer.pt has 10 bytes, the pointer says \d+\)")
+    (ck / "step00000003" / "optimizer.pt").unlink()
+    refused(r"incomplete \(optimizer.pt is missing")
+    shutil.rmtree(ck / "step00000003")
+    refused("the committed checkpoint step00000003 is missing")
+    shutil.copytree(saved, ck / "step00000003")
+    assert read_checkpoint_pointer(ck)["step"] == 3
+    r = train_loop(_model(), steps_for(24), _loss_fn(x, y), args)
+    assert (r.resumed_from_step, r.steps) == (3, 12)
 
 
 def test_grad_clipping_and_no_trainable_params(tmp_path):

@@ -35,7 +35,8 @@ taken from it when present, else computed with --model's tokenizer and chat temp
 \b
 Writes OUT atomically: adapters/{value,q,q_target} (PEFT), heads.safetensors,
 critic.json, config.yaml (resolved), metrics.jsonl (losses, mean V / Q, TD error and the
-held-out diagnostics per epoch), diagnostics.json, summary.json and the tokenizer. An
+held-out diagnostics per epoch), diagnostics.json, summary.json and the tokenizer. A second
+run on the same OUT while one is running is refused with one line (the output lock). An
 interrupted run (also under DeepSpeed) resumes from OUT.partial/ when started again with
 the same arguments: a checkpoint per epoch and, with --set checkpoint_every_steps=N, every
 N updates.
@@ -89,9 +90,11 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.models.hub import resolve_model
 
             base = Path(resolve_model(model, "--model"))
+            from qevolve_cli.lock import hold_output
             from qevolve_cli.training import is_main_process
 
-            with progress(quiet or not is_main_process()) as bar:
+            # the output lock (under torchrun: rank 0 holds it, every rank gets its verdict) before anything is read
+            with hold_output(out), progress(quiet or not is_main_process()) as bar:
                 task = None
 
                 def factory(total: int):

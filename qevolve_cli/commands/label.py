@@ -23,7 +23,8 @@ Adds reward_aux / aux_kind (retrospective labels, rules per env from configs/lab
 success and weight (w_t = (t/T + d)*0.5 + 0.5); with --tokenizer the prefix positions
 pos_s / pos_sa / pos_next; with --critic (or value/next_value already present, or
 --value-source oracle on an environment with an exact solver) the GAE process reward
-`advantage`. Input files are never modified; the output is written atomically.
+`advantage`. Input files are never modified; the output is written atomically, and a
+second `label` on the same --out while one runs is refused with one line (the output lock).
 
 \b
 Examples:
@@ -66,8 +67,11 @@ def register(app: typer.Typer) -> None:
             tok = resolve_model(tokenizer, "--tokenizer")
             tok = Path(tok) if tok is not None else None
             # an explicit --advantage asks for advantages: without critic values that is an error
-            summary = label_tables(inputs, out, cfg, tokenizer=tok, critic=critic,
-                                   require_advantage=advantage is not None)
+            from qevolve_cli.lock import hold_output
+
+            with hold_output(out, hint="wait for it to end or stop it, then rerun"):
+                summary = label_tables(inputs, out, cfg, tokenizer=tok, critic=critic,
+                                       require_advantage=advantage is not None)
             if json_out:
                 emit_json(summary)
             else:

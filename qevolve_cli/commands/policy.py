@@ -39,7 +39,9 @@ dpo  : per task, the expert trajectory against each self trajectory with a
 \b
 Writes OUT atomically: model weights (safetensors) or a LoRA adapter, the
 tokenizer files, config.yaml (resolved), metrics.jsonl (loss per optimiser
-step) and train_summary.json. An interrupted run (also under DeepSpeed) resumes
+step) and train_summary.json. A second run on the same OUT while one is running
+is refused with one line (the output lock .OUT.lock; under torchrun rank 0 holds
+it for all ranks). An interrupted run (also under DeepSpeed) resumes
 at its last checkpoint when started again with the same arguments: checkpoints
 are written at epoch ends and, with --set checkpoint_every_steps=N, every N steps.
 \b
@@ -83,12 +85,15 @@ def register(app: typer.Typer) -> None:
             overrides = {**set_values, **{k: v for k, v in flags.items() if v is not None}}
             cfg = naming_flags(lambda: load_policy_config(config, preset, overrides),
                                flag_names(flags, set_values, {"lora": "--lora/--full"}))
+            from qevolve_cli.lock import hold_output
             from qevolve_cli.models.hub import resolve_model
             from qevolve_cli.policy.trainer import train_policy
             from qevolve_cli.training import is_main_process
 
-            metrics = train_policy(cfg, data[0] if len(data) == 1 else data, Path(resolve_model(model, "--model")), out,
-                                   ref=Path(resolve_model(ref, "--ref")) if ref is not None else None, quiet=quiet)
+            with hold_output(out):  # under torchrun: rank 0 holds it, every rank gets its verdict
+                metrics = train_policy(cfg, data[0] if len(data) == 1 else data, Path(resolve_model(model, "--model")),
+                                       out, ref=Path(resolve_model(ref, "--ref")) if ref is not None else None,
+                                       quiet=quiet)
             if not is_main_process():  # ranks > 0 of a multi-process (DeepSpeed) launch stay silent
                 return
             if json_out:

@@ -51,6 +51,7 @@ from qevolve_cli.training import (
     fsync_tree,
     kill_after_checkpoint,
     lr_lambda,
+    read_checkpoint_pointer,
     rng_state,
     set_rng_state,
     start_checkpoint,
@@ -458,15 +459,9 @@ def _partial_dir(out: Path) -> Path:
 
 
 def _read_progress(partial: Path) -> dict[str, Any] | None:
-    """The committed checkpoint's ``progress.json`` (None: none, unreadable, or of an older version)."""
-    p = partial / "progress.json"
-    try:
-        info = json.loads(p.read_text()) if p.is_file() else None
-    except ValueError:
-        return None
-    if not isinstance(info, dict) or "tag" not in info or not (partial / str(info["tag"])).is_dir():
-        return None
-    return info
+    """The committed checkpoint's ``progress.json`` (None: none); a broken one (unreadable, half-written, a
+    listed file missing) is answered with one line (:func:`qevolve_cli.training.read_checkpoint_pointer`)."""
+    return read_checkpoint_pointer(partial, "progress.json", needs=("epoch", "metrics"))
 
 
 def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Path, *,

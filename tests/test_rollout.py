@@ -426,3 +426,93 @@ def test_cpu_cached_decode_equals_padded_generate(react_model_dir: Path) -> None
     b.per_sequence_prefill = True
     # greedy decoding stops at the end-of-turn token: no output contains the stop text
     assert all("<|im_end|>" not in o[0] for o in b.generate(reqs, temperature=0.0))
+
+
+# --------------------------------------------------------------------------- KV cache reuse (hf, CPU)
+
+
+def test_kv_store_prefix_outcomes_and_eviction() -> None:
+    """KVStore: the reused length is the common prefix of token ids (at least one token left to
+    compute), each outcome is counted, and the memory cap evicts the least recently used entry."""
+    import torch
+
+    from qevolve_cli.rollout.backends import KVStore, common_prefix_len
+
+    assert common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_len([], [1]) == 0 and common_prefix_len([7, 8], [7, 8]) == 2
+
+    def kv(n: int) -> list:  # 2 layers, 1 head, n positions, dim 4, float32: 2 * 2 * n * 4 * 4 bytes
+        return [(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4)) for _ in range(2)]
+
+    st = KVStore(cap_bytes=2 * 2 * 10 * 4 * 4)  # room for 10 positions
+    assert st.lookup("a", [1, 2, 3]) == (0, None)  # no entry: full prefill
+    st.put("a", [1, 2, 3], kv(3))
+    n, layers = st.lookup("a", [1, 2, 3, 4, 5])  # extends the cached ids: hit, 2 tokens computed
+    assert n == 3 and layers is not None
+    assert st.lookup("a", [1, 2, 9, 9])[0] == 2  # re-tokenised boundary: the common prefix is reused
+    assert st.lookup("a", [1, 2, 3])[0] == 2  # the whole prompt cached: its last token is recomputed
+    assert st.lookup("a", [5, 6])[0] == 0  # nothing shared: full re-prefill
+    assert st.lookup(None, [1, 2, 3])[0] == 0  # no key: nothing kept
+    c = st.counts
+    assert (c["kv_new"], c["kv_hits"], c["kv_partial"], c["kv_fallbacks"]) == (2, 1, 2, 1)
+    assert c["prompts"] == 6 and c["prompt_tokens"] == 3 + 5 + 4 + 3 + 2 + 3
+    assert c["prefill_tokens"] == 3 + 2 + 2 + 1 + 2 + 3
+    st.put("b", [1] * 4, kv(4))
+    assert st.bytes == 2 * 2 * 7 * 16 and c["kv_evictions"] == 0
+    st.lookup("a", [1, 2, 3, 4])  # "a" used last: "b" is now the oldest
+    st.put("c", [2] * 5, kv(5))  # 3 + 4 + 5 > 10 positions: "b" goes
+    assert list(st.entries) == ["a", "c"] and c["kv_evictions"] == 1
+    st.put("d", [3] * 11, kv(11))  # larger than the cap: not kept, counted
+    assert "d" not in st.entries and c["kv_evictions"] == 2
+    st.drop("a")
+    assert list(st.entries) == ["c"] and st.bytes == 2 * 2 * 5 * 16
+
+
+def test_kv_prefill_from_cache_matches_full_prefill(react_model_dir: Path) -> None:
+    """Prefilling only the tokens past a kept cache gives the logits and keys/values of a full
+    prefill up to float noise (tolerance 1e-4 on logits of magnitude ~10 in float32)."""
+    import torch
+
+    from qevolve_cli.rollout.backends import HFBackend
+
+    b = HFBackend(react_model_dir, max_new_tokens=8, threads=1)
+    ids = b.prompt_ids([{"role": "user", "content": "Craft a wooden planks. Inventory: oak log, stick, stick."}])
+    with torch.inference_mode():
+        full_logits, full_kv = b._prefill(ids, None)
+        b.kv.put("e", ids[:-7], [(k[:, :, :-7].clone(), v[:, :, :-7].clone()) for k, v in full_kv])
+        part_logits, part_kv = b._prefill(ids, "e")
+    assert b.kv.counts["kv_hits"] == 1 and b.kv.counts["prefill_tokens"] == len(ids) + 7
+    assert torch.allclose(part_logits, full_logits, atol=1e-4, rtol=0)
+    assert int(part_logits.argmax()) == int(full_logits.argmax())
+    for (k0, v0), (k1, v1) in zip(full_kv, part_kv, strict=True):
+        assert k1.shape == k0.shape and torch.allclose(k1, k0, atol=1e-4) and torch.allclose(v1, v0, atol=1e-4)
+
+
+@pytest.mark.parametrize("env", ["lamps", "textcraft"])
+def test_kv_reuse_keeps_greedy_actions(react_model_dir: Path, tmp_path: Path, env: str) -> None:
+    """Greedy rollouts with the KV cache kept across environment steps play exactly the actions of
+    the re-prefill path, on episodes of different lengths in one batch, while computing a fraction
+    of the prompt tokens; finished episodes leave no cache behind."""
+    from qevolve_cli.envs.splits import list_tasks
+    from qevolve_cli.rollout.backends import HFBackend
+    from qevolve_cli.rollout.config import RolloutConfig
+    from qevolve_cli.rollout.loop import run_rollout
+
+    be = HFBackend(react_model_dir, max_new_tokens=24, threads=1)
+    tasks = list_tasks(env, "train", limit=4)
+    cfg = RolloutConfig(env=env, n_per_task=1, max_steps=6, workers=1, envs_per_worker=4, lanes=1,
+                        max_new_tokens=24, temperature=0.0)
+    runs = {}
+    for reuse in (False, True):
+        be.kv_reuse = reuse
+        r = run_rollout(cfg, react_model_dir, tmp_path / f"{reuse}.parquet", backend=be, tasks=tasks)
+        runs[reuse] = (r.table.sort(["traj_id", "step"])["action"].to_list(), r.stats.backend, r.stats.steps)
+    assert runs[True][0] == runs[False][0]
+    off, on = runs[False][1], runs[True][1]
+    steps = runs[True][2]
+    assert steps > len(tasks)  # episodes went on past their first step
+    assert off["prefill_tokens"] == off["prompt_tokens"] and off["kv_hits"] + off["kv_partial"] == 0
+    assert on["prompt_tokens"] == off["prompt_tokens"] and on["kv_new"] == len(tasks)
+    assert on["kv_hits"] + on["kv_partial"] == steps - len(tasks) and on["kv_fallbacks"] == 0
+    assert on["prefill_tokens"] < off["prefill_tokens"] / 2
+    assert not be.kv.entries and be.kv.bytes == 0  # every episode ended: its cache was dropped

@@ -44,6 +44,10 @@ class RolloutConfig(ConfigBase):
                        choices=("auto", "float32", "bfloat16", "float16"))
     threads: int = field(0, help="CPU threads of the hf backend (0 = half the cores; more threads than free cores "
                          "slow generation down sharply).", ge=0)
+    kv_reuse: bool = field(True, help="hf backend on CPU: keep each episode's KV cache between its steps and compute "
+                           "only the new prompt tokens (false = re-prefill the whole transcript every step).")
+    kv_cache_mb: int = field(2048, help="Memory cap of the kept KV caches in MiB (least recently used evicted first; "
+                             "counted in the stats as kv_evictions).", ge=1)
     gen_batch_size: int = field(64, help="Maximum prompts per hf generate call.", ge=1)
     workers: int = field(2, help="Environment worker processes.", ge=1)
     envs_per_worker: int = field(4, help="Live episodes per worker (live batch = workers x envs_per_worker).", ge=1)

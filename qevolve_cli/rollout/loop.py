@@ -79,6 +79,8 @@ class RolloutStats:
     step_s: float = 0.0  # seconds the workers spent in env steps (summed over workers)
     wall_s: float = 0.0
     truncated_steps: int = 0
+    # the backend's work over the run (Backend.counters: prompt tokens, tokens computed, KV cache reuse)
+    backend: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -91,6 +93,10 @@ class RolloutStats:
                                            "truncated_steps")}
         d.update({k: round(getattr(self, k), 3) for k in ("gen_s", "env_s", "reset_s", "step_s", "wall_s")})
         d["steps_per_s"] = round(self.steps / self.wall_s, 3) if self.wall_s > 0 else 0.0
+        if self.backend:
+            d["backend"] = dict(self.backend)
+            if self.steps:  # prompt tokens the model computed per environment step (the rest came from the cache)
+                d["prefill_tokens_per_step"] = round(self.backend.get("prefill_tokens", 0) / self.steps, 1)
         return d
 
 
@@ -279,12 +285,14 @@ def play(
         st.failed += int(bool(error))
         st.successes += int(_episode_reward(rows) > 0 and not error)
         live.pop(ep.key, None)
+        backend.end_episode(ep.traj_id)
 
     if pool is not None and getattr(pool, "env_name", cfg.env) != cfg.env:
         raise QevolveError(f"the environment pool runs {pool.env_name!r}, the rollout needs {cfg.env!r}")
     own_pool = pool is None
     if own_pool:
         pool = EnvPool(cfg.env, workers=cfg.workers, envs_per_worker=cfg.envs_per_worker, timeout_s=cfg.env_timeout_s)
+    counters0 = backend.counters()
     with pool if own_pool else contextlib.nullcontext(pool):
         try:
             _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature, source, chooser,
@@ -293,6 +301,14 @@ def play(
             if live and not own_pool:  # interrupted: free the slots of a borrowed pool
                 with contextlib.suppress(Exception):
                     pool.release(list(live))
+            for ep in live.values():  # interrupted: drop the backend's state of unfinished episodes
+                backend.end_episode(ep.traj_id)
+            counters1 = backend.counters()
+            for k, v in counters1.items():
+                if k.endswith("_mb"):
+                    st.backend[k] = v
+                else:
+                    st.backend[k] = st.backend.get(k, 0) + v - counters0.get(k, 0)
     st.wall_s = time.perf_counter() - t_start
     return st
 
@@ -330,7 +346,7 @@ def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature,
             tr = transcript.truncate(msgs, backend.fits, siu)
             trunc.append(tr.truncated or not backend.fits(tr.messages))
             seed = step_seed(cfg.seed, ep.traj_id, len(ep.actions))
-            reqs.append(Request(tr.messages, seed=seed, n=cfg.candidates if chooser else 1))
+            reqs.append(Request(tr.messages, seed=seed, n=cfg.candidates if chooser else 1, key=ep.traj_id))
         t0 = time.perf_counter()
         if chooser is not None and cfg.candidates > 1:
             cands = backend.generate(reqs, temperature=cfg.candidate_temperature, top_p=cfg.top_p)
@@ -506,7 +522,8 @@ def _run_rollout(cfg: RolloutConfig, policy: str | Path, out: Path, *, adapter: 
         backend = make_backend(cfg.backend, policy, adapter, base_url=cfg.base_url, served_model=cfg.served_model or None,
                                max_context=cfg.max_context, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
                                device=cfg.device, dtype=cfg.dtype, batch_size=cfg.gen_batch_size,
-                               timeout_s=cfg.request_timeout_s, threads=cfg.threads)
+                               timeout_s=cfg.request_timeout_s, threads=cfg.threads, kv_reuse=cfg.kv_reuse,
+                               kv_cache_mb=cfg.kv_cache_mb)
     journal = Journal(jpath, header, resume=resume)
     try:
         st = play(cfg, backend, tasks, temperature=temp, journal=journal, source=source, chooser=chooser,

@@ -54,7 +54,13 @@ from qevolve_cli.rollout.backends.base import (
     load_tokenizer,
     stop_token_ids,
 )
-from qevolve_cli.rollout.backends.hf import HFBackend, PerRequestSampler, _preallocated_cache
+from qevolve_cli.rollout.backends.hf import (
+    HFBackend,
+    KVStore,
+    PerRequestSampler,
+    _preallocated_cache,
+    common_prefix_len,
+)
 from qevolve_cli.rollout.backends.openai import OpenAIBackend
 from qevolve_cli.rollout.backends.vllm import (
     VLLM_MISSING,
@@ -69,7 +75,7 @@ from qevolve_cli.rollout.backends.vllm import (
 __all__ = [
     "BACKENDS", "END_OF_TURN_TOKENS", "VLLM_MISSING", "Backend", "HFBackend", "OpenAIBackend", "PerRequestSampler",
     "Request", "VLLMBackend", "_check_adapter_dir", "_check_cpu_head_size", "_check_model_dir", "_cuda_available",
-    "_first_line", "_model_max_context", "_preallocated_cache", "load_tokenizer", "make_backend", "stop_token_ids",
+    "_first_line", "_model_max_context", "_preallocated_cache", "KVStore", "common_prefix_len", "load_tokenizer", "make_backend", "stop_token_ids",
     "vllm_cpu_defaults", "vllm_quiet_logging",
 ]
 
@@ -77,11 +83,12 @@ __all__ = [
 def make_backend(name: str, policy: str | Path, adapter: str | Path | None = None, *, base_url: str | None = None,
                  served_model: str | None = None, max_context: int = 0, max_new_tokens: int = 256,
                  seed: int = 0, device: str = "auto", dtype: str = "auto", batch_size: int = 64,
-                 timeout_s: float = 120.0, threads: int = 0) -> Backend:
+                 timeout_s: float = 120.0, threads: int = 0, kv_reuse: bool = True, kv_cache_mb: int = 2048) -> Backend:
     """Build a backend by name (``hf``, ``vllm``, ``openai``)."""
     if name == "hf":
         return HFBackend(policy, adapter, device=device, dtype=dtype, max_context=max_context,
-                         max_new_tokens=max_new_tokens, batch_size=batch_size, threads=threads)
+                         max_new_tokens=max_new_tokens, batch_size=batch_size, threads=threads, kv_reuse=kv_reuse,
+                         kv_cache_mb=kv_cache_mb)
     if name == "vllm":
         return VLLMBackend(policy, adapter, max_context=max_context, max_new_tokens=max_new_tokens, seed=seed,
                            dtype=dtype)

@@ -23,6 +23,9 @@ class Request:
     messages: list[Message]
     seed: int = 0
     n: int = 1
+    # the episode this prompt belongs to: backends that keep per-episode state between calls (the hf
+    # backend's KV cache) use it; None = nothing is kept
+    key: Any = None
 
 
 class Backend:
@@ -64,6 +67,14 @@ class Backend:
     def generate(self, requests: Sequence[Request], temperature: float, top_p: float = 1.0,
                  max_new_tokens: int | None = None) -> list[list[str]]:
         raise NotImplementedError
+
+    def end_episode(self, key: Any) -> None:
+        """The episode ``key`` will not be continued: state kept for it may be dropped."""
+
+    def counters(self) -> dict[str, int]:
+        """Running totals of the backend's work (the hf backend: prompt tokens, tokens computed, KV
+        cache reuse); the rollout loop reports the difference over a run."""
+        return {}
 
     def close(self) -> None:
         pass

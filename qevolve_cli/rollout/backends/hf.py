@@ -98,6 +98,102 @@ def _preallocated_cache(layers: list[tuple[Any, Any]], length: int):
     return cache
 
 
+
+def cache_kwarg(model: Any) -> str:
+    """The name under which the model's ``forward`` takes the KV cache: ``cache`` in current transformers
+    (``past_key_values`` is deprecated there, with a FutureWarning on every call), ``past_key_values``
+    in the older releases the vLLM venv pins."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _out_cache(out: Any) -> Any:
+    """The KV cache of a forward pass's output (``cache``, or ``past_key_values`` in older transformers)."""
+    c = getattr(out, "cache", None)
+    return c if c is not None else out.past_key_values
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+KV_COUNTERS = ("prompts", "prompt_tokens", "prefill_tokens", "kv_hits", "kv_partial", "kv_fallbacks", "kv_new",
+               "kv_evictions")
+
+
+class KVStore:
+    """Per-episode KV caches kept between environment steps, bounded in bytes.
+
+    An entry is the token ids an episode's model state was computed on and, per layer, the keys
+    and values of those positions (``(1, kv_heads, len, head_dim)``). :meth:`lookup` compares the
+    next prompt's **token ids** with the entry's (a chat template can re-tokenise the boundary, so
+    text is not compared): the positions of the longest common prefix are reused (keys and values
+    of a position depend only on the tokens up to it) and only the rest is computed. Outcomes,
+    counted in :attr:`counts`:
+
+    * ``kv_hits``: the cached ids are a prefix of the prompt (only the new tokens are computed);
+    * ``kv_partial``: they share a shorter prefix (the cache is cut there; e.g. the model's own
+      tokens for its action differ from the re-tokenised action, or the transcript was shortened);
+    * ``kv_fallbacks``: an entry exists but shares no token: a full re-prefill;
+    * ``kv_new``: no entry (an episode's first step, an evicted entry, reuse off): a full prefill.
+
+    Entries beyond ``cap_bytes`` are evicted least recently used first (``kv_evictions``).
+    """
+
+    def __init__(self, cap_bytes: int):
+        from collections import OrderedDict
+
+        self.cap_bytes = int(cap_bytes)
+        self.entries: OrderedDict[Any, tuple[list[int], list[tuple[Any, Any]], int]] = OrderedDict()
+        self.bytes = 0
+        self.counts = dict.fromkeys(KV_COUNTERS, 0)
+
+    def lookup(self, key: Any, ids: Sequence[int]) -> tuple[int, list[tuple[Any, Any]] | None]:
+        """(positions to reuse, per-layer keys/values) for a prompt ``ids`` of episode ``key``;
+        at least one token is left to compute (its logits start the generation)."""
+        self.counts["prompts"] += 1
+        self.counts["prompt_tokens"] += len(ids)
+        ent = self.entries.get(key) if key is not None else None
+        if ent is None:
+            self.counts["kv_new"] += 1
+            self.counts["prefill_tokens"] += len(ids)
+            return 0, None
+        cached, layers, _ = ent
+        n = min(common_prefix_len(cached, ids), len(ids) - 1)
+        if n <= 0:
+            self.counts["kv_fallbacks"] += 1
+            self.counts["prefill_tokens"] += len(ids)
+            return 0, None
+        self.counts["kv_hits" if n == len(cached) else "kv_partial"] += 1
+        self.counts["prefill_tokens"] += len(ids) - n
+        self.entries.move_to_end(key)
+        return n, layers
+
+    def put(self, key: Any, ids: list[int], layers: list[tuple[Any, Any]]) -> None:
+        """Keep ``layers`` (computed on ``ids``) for episode ``key``, evicting the oldest beyond the cap."""
+        self.drop(key)
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        if nbytes > self.cap_bytes:
+            self.counts["kv_evictions"] += 1
+            return
+        while self.entries and self.bytes + nbytes > self.cap_bytes:
+            self.drop(next(iter(self.entries)))
+            self.counts["kv_evictions"] += 1
+        self.entries[key] = (list(ids), layers, nbytes)
+        self.bytes += nbytes
+
+    def drop(self, key: Any) -> None:
+        ent = self.entries.pop(key, None)
+        if ent is not None:
+            self.bytes -= ent[2]
+
+
 class HFBackend(Backend):
     """transformers ``generate``: batched, left padding, stop at end of turn."""
 
@@ -105,7 +201,7 @@ class HFBackend(Backend):
 
     def __init__(self, policy: str | Path, adapter: str | Path | None = None, device: str = "auto",
                  dtype: str = "auto", max_context: int = 0, max_new_tokens: int = 256, batch_size: int = 64,
-                 threads: int = 0):
+                 threads: int = 0, kv_reuse: bool = True, kv_cache_mb: int = 2048):
         import os
 
         import torch
@@ -156,6 +252,16 @@ class HFBackend(Backend):
         layer_types = getattr(self.model.config, "layer_types", None) or []
         self.per_sequence_prefill = self.device.type == "cpu" and not any("sliding" in str(t) for t in layer_types)
         self._gen_seconds = 0.0
+        # KV caches kept between the steps of an episode (Request.key); CPU path only (see _generate_cached)
+        self.kv_reuse = bool(kv_reuse)
+        self._cache_kw = cache_kwarg(self.model)
+        self.kv = KVStore(int(kv_cache_mb) << 20)
+
+    def end_episode(self, key: Any) -> None:
+        self.kv.drop(key)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.kv.counts, kv_cached_mb=self.kv.bytes >> 20)
 
     def _fit_ids(self, ids: list[int]) -> list[int]:
         room = self.max_context - self.max_new_tokens
@@ -169,6 +275,7 @@ class HFBackend(Backend):
             ids = self._fit_ids(self.prompt_ids(r.messages))
             for j in range(r.n):
                 rows.append((i, ids, r.seed * 1000003 + j))
+        self._requests = requests
         texts: list[str] = []
         for b in range(0, len(rows), self.batch_size):
             chunk = rows[b : b + self.batch_size]
@@ -206,6 +313,12 @@ class HFBackend(Backend):
         """``model.generate`` on the left-padded batch (GPU: one prefill for the whole batch)."""
         import torch
 
+        for _, ids, _ in chunk:  # no reuse on this path: every prompt token is computed
+            self.kv.counts["prompts"] += 1
+            self.kv.counts["prompt_tokens"] += len(ids)
+            self.kv.counts["prefill_tokens"] += len(ids)
+            self.kv.counts["kv_new"] += 1
+
         pad = self.tokenizer.pad_token_id
         width = max(len(ids) for _, ids, _ in chunk)
         input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
@@ -227,6 +340,31 @@ class HFBackend(Backend):
                                       **kwargs)
         return [row.tolist() for row in out[:, width:].cpu()]
 
+    def _prefill(self, ids: list[int], key: Any):
+        """Logits of the last prompt position and per-layer ``(1, heads, len(ids), dim)`` keys/values,
+        computing only the positions the episode's kept cache does not already hold."""
+        import torch
+
+        dev = self.device
+        n, past = self.kv.lookup(key, ids) if self.kv_reuse else self.kv.lookup(None, ids)
+        if past is None:
+            out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=dev), use_cache=True,
+                             logits_to_keep=1)
+            return out.logits[0, -1].float(), [(k, v) for k, v, *_ in _out_cache(out)]
+        cap = len(ids)
+        bufs = []
+        for k, v in past:
+            bk = k.new_empty((1, k.shape[1], cap, k.shape[3]))
+            bv = v.new_empty((1, v.shape[1], cap, v.shape[3]))
+            bk[:, :, :n] = k[:, :, :n]
+            bv[:, :, :n] = v[:, :, :n]
+            bufs.append((bk, bv))
+        cache = _preallocated_cache(bufs, n)
+        pos = torch.arange(n, cap, dtype=torch.long, device=dev)[None]
+        out = self.model(input_ids=torch.tensor([ids[n:]], dtype=torch.long, device=dev), position_ids=pos,
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[0, -1].float(), bufs
+
     def _generate_cached(self, chunk, mnt: int, temperature: float, top_p: float) -> list[list[int]]:
         """Per-sequence prefill, then one batched decode over the left-padded KV caches.
 
@@ -237,27 +375,43 @@ class HFBackend(Backend):
         prefilled alone (no padding, the fused causal kernel), the caches are left-padded into
         one batch and the new tokens are decoded together; rows that finish leave the batch.
         Sampling is the same per-request draw as ``PerRequestSampler`` (greedy at T = 0).
+
+        KV reuse (``kv_reuse``): a request with a ``key`` continues that episode's kept cache
+        (:class:`KVStore`: only the tokens past the common prefix of token ids are prefilled), and
+        the cache of prompt + generated tokens is kept for the episode's next step (for ``n > 1``
+        the prompt's only: which candidate is played is not known here). Rows of one request share
+        one prefill.
         """
         import torch
 
         dev = self.device
         n = len(chunk)
+        reqs = getattr(self, "_requests", None) or []
+        keys = [reqs[i].key if i < len(reqs) else None for i, _, _ in chunk]
+        nreq = [reqs[i].n if i < len(reqs) else 1 for i, _, _ in chunk]
         lens = [len(ids) for _, ids, _ in chunk]
         width = max(lens)
         cap = width + mnt
         layers: list[tuple[Any, Any]] = []
         last = []
         with torch.inference_mode():
-            for k, (_, ids, _) in enumerate(chunk):
-                out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=dev), use_cache=True,
-                                 logits_to_keep=1)
-                last.append(out.logits[0, -1].float())
-                for li, (key, val, *_rest) in enumerate(out.past_key_values):
+            prev = None  # (request index, logits, kv) of the row before: rows of one request share it
+            for k, (i, ids, _) in enumerate(chunk):
+                if prev is not None and prev[0] == i:
+                    logit, kv = prev[1], prev[2]
+                else:
+                    logit, kv = self._prefill(ids, keys[k])
+                    prev = (i, logit, kv)
+                    if self.kv_reuse and keys[k] is not None and nreq[k] > 1:
+                        self.kv.put(keys[k], ids, kv)
+                last.append(logit)
+                for li, (key, val) in enumerate(kv):
                     if k == 0:
                         shape = (n, key.shape[1], cap, key.shape[3])
                         layers.append((key.new_zeros(shape), val.new_zeros((n, val.shape[1], cap, val.shape[3]))))
-                    layers[li][0][k, :, width - lens[k] : width] = key[0]
-                    layers[li][1][k, :, width - lens[k] : width] = val[0]
+                    layers[li][0][k, :, width - lens[k] : width] = key[0, :, : lens[k]]
+                    layers[li][1][k, :, width - lens[k] : width] = val[0, :, : lens[k]]
+            del prev, kv
             cache = _preallocated_cache(layers, width)
             mask = torch.zeros((n, width), dtype=torch.long, device=dev)
             for k in range(n):
@@ -267,6 +421,15 @@ class HFBackend(Backend):
             sampler = self._samplers(chunk, temperature, top_p)
             rows = list(range(n))  # chunk index of each batch row still decoding
             toks: list[list[int]] = [[] for _ in range(n)]
+
+            def keep_cache(r: int, k: int, fed: int) -> None:
+                """Keep row ``r`` (chunk row ``k``): its prompt and the ``fed`` generated tokens decoded so far."""
+                if not self.kv_reuse or keys[k] is None or nreq[k] > 1:
+                    return
+                a, b = width - lens[k], width + fed
+                kv = [(ly.buf_k[r : r + 1, :, a:b].clone(), ly.buf_v[r : r + 1, :, a:b].clone()) for ly in cache.layers]
+                self.kv.put(keys[k], list(chunk[k][1]) + toks[k][:fed], kv)
+
             for step in range(mnt):
                 if sampler is None:
                     nxt = torch.argmax(logits, dim=-1)
@@ -279,8 +442,14 @@ class HFBackend(Backend):
                     if t not in self.stop_ids:
                         keep.append(r)
                 if not keep or step == mnt - 1:
+                    for r, k in enumerate(rows):
+                        keep_cache(r, k, step)
                     break
                 if len(keep) < len(rows):  # finished rows leave the batch
+                    kept = set(keep)
+                    for r, k in enumerate(rows):
+                        if r not in kept:
+                            keep_cache(r, k, step)
                     idx = torch.tensor(keep, dtype=torch.long, device=dev)
                     for layer in cache.layers:
                         layer.select_rows(idx)
@@ -290,8 +459,8 @@ class HFBackend(Backend):
                     rows = [rows[r] for r in keep]
                 mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
                 out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
-                                 past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                                 use_cache=True, **{self._cache_kw: cache})
+                cache = _out_cache(out)
                 pos = pos + 1
                 logits = out.logits[:, -1].float()
         return toks

@@ -40,6 +40,7 @@ COMMANDS = {
     "inspect": "inspect_cmd",
     "report": "report",
     "doctor": "doctor",
+    "plan": "plan",
 }
 COMMAND_MODULES = list(COMMANDS.values())
 

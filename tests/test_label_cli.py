@@ -169,10 +169,12 @@ def test_label_does_not_import_torch(tmp_path, buffers):
     assert r.returncode == 0, r.stderr
 
 
-def test_label_with_tokenizer_adds_positions(tmp_path, buffers, tiny_model_dir):
+@pytest.mark.parametrize("model", ["tiny_model_dir", "smollm2_dir"])
+def test_label_with_tokenizer_adds_positions(tmp_path, buffers, model, request):
     pe, ps = buffers
     out = tmp_path / "pos.parquet"
-    r = run_qevolve("label", pe, ps, "--tokenizer", tiny_model_dir, "--out", out, "--json")
+    model_dir = request.getfixturevalue(model)
+    r = run_qevolve("label", pe, ps, "--tokenizer", model_dir, "--out", out, "--json")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["prefix"]["fallback_trajectories"] == 0
@@ -184,6 +186,13 @@ def test_label_with_tokenizer_adds_positions(tmp_path, buffers, tiny_model_dir):
     # within a trajectory (no truncation here) the next state of step t is the state of step t+1
     nxt = df.with_columns(pl.col("pos_s").shift(-1).over("traj_id").alias("s_next")).drop_nulls("s_next")
     assert (nxt["pos_next"] == nxt["s_next"]).all()
+    # the positions are the slow per-prefix reference's with this tokenizer's chat template
+    from transformers import AutoTokenizer
+
+    from qevolve_cli.prefix import POS_COLUMNS, reference_positions
+
+    ref = reference_positions(df.drop(list(POS_COLUMNS)), AutoTokenizer.from_pretrained(model_dir))
+    assert df.select(POS_COLUMNS).to_dicts() == ref.select(POS_COLUMNS).to_dicts()
 
 
 def test_advantage_kind_without_values(tmp_path, buffers):

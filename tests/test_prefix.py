@@ -150,3 +150,19 @@ def test_tokenizer_dir(tmp_path, tiny_model_dir):
     assert a.select(ALL).equals(b.select(ALL))
     with pytest.raises(QevolveError, match="tokenizer.json"):
         add_prefix_positions(df, tmp_path)
+
+
+@pytest.mark.parametrize("env", ["lamps", "textcraft", "alfworld", "sciworld"])
+def test_smollm2_equals_slow_reference(smollm2_dir, env):
+    """SmolLM2-135M-Instruct's real tokenizer and chat template, each environment's system prompt:
+    the fast path agrees with the slow per-prefix reference, with and without truncation, no fallback."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    df = synthetic_table(8, 5, seed=5, env=env)
+    fast, _ = _assert_same(df, tok)
+    ml = int(fast["pos_s"].min()) + 90
+    _, stats = _assert_same(df, tok, max_length=ml)
+    assert stats["truncated_steps"] > 0
+    seqs = tokenize_trajectories(add_prefix_positions(df, tok, max_length=ml), tok)
+    assert (seqs["input_ids"].list.len() == seqs["seq_len"]).all()

@@ -51,7 +51,8 @@ def run_layout(model_dir: Path, df, per_step: bool, batch_size: int, epochs: int
     from qevolve_cli.critic.config import CriticConfig
     from qevolve_cli.critic.data import attach_targets, build_items
     from qevolve_cli.critic.model import CriticModel
-    from qevolve_cli.critic.trainer import CriticTrainer, load_tokenizer, pad_id_of
+    from qevolve_cli.critic.trainer import CriticTrainer
+    from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
     cfg = CriticConfig(epochs=epochs, lr=1e-4, batch_size=batch_size, lora_rank=8, head_hidden=64, device="cpu",
                        checkpoint=False, warmup_ratio=0.0)

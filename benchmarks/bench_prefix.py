@@ -75,7 +75,7 @@ def main() -> None:
     from qevolve_cli.prefix import OUT_COLUMNS, _Indexer, _messages, add_prefix_positions, reference_positions
 
     if args.tokenizer:
-        from qevolve_cli.prefix import load_tokenizer
+        from qevolve_cli.tokenizer import load_tokenizer
 
         tok = load_tokenizer(args.tokenizer)
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from qevolve_cli.critic.config import CRITIC_REDUCTIONS  # torch-free constant shared with the config
+from qevolve_cli.rewards import CRITIC_REDUCTIONS  # torch-free names shared with the configs
 
 # ---- policy losses ----
 #

@@ -19,8 +19,8 @@ import polars as pl
 from qevolve_cli import core, schema
 from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
 from qevolve_cli.errors import ConfigError, QevolveError, TableError
-
-ADVANTAGES = ("gae", "gae_aux", "td", "q_minus_v")
+from qevolve_cli.rewards import ADVANTAGES, process_rewards
+from qevolve_cli.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -170,32 +170,6 @@ def label_frame(
     return df, timings
 
 
-def process_rewards(df: pl.DataFrame, kind: str = "gae", gamma: float = 0.95, lam: float = 0.95,
-                    offs=None, source: Any = None) -> pl.Series:
-    """The ``advantage`` of every step for one process-reward choice (paper table "process reward").
-
-    ``gae``: GAE over r_env (the paper); ``gae_aux``: GAE over r_env + r_aux; ``td``:
-    r_env + gamma (1 - d) V' - V (= GAE with lambda = 0); ``q_minus_v``: Q - V (needs
-    ``q_value`` from the critic). Trajectories must be contiguous and in step order
-    (``schema.sort_steps``); V after a terminal step is 0.
-    """
-    if kind not in ADVANTAGES:
-        raise QevolveError(f"process reward: unknown kind {kind!r} (choose from {', '.join(ADVANTAGES)})")
-    for c in ("value", "next_value") + (("q_value",) if kind == "q_minus_v" else ()):
-        if c not in df.columns:
-            raise TableError(source, c, f"missing column: advantage={kind} needs critic values")
-        n = df[c].null_count()
-        if n:
-            raise TableError(source, c, f"{n} null values: cannot compute advantages")
-    if kind == "q_minus_v":
-        return (df["q_value"] - df["value"]).cast(pl.Float32).alias("advantage")
-    offs = core.offsets(df) if offs is None else offs
-    next_value = df.select(pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value")).cast(pl.Float32)).to_series()
-    aux = df["reward_aux"] if kind == "gae_aux" else None
-    return core.gae(offs, df["reward_env"], df["value"], next_value, df["done"], gamma,
-                    0.0 if kind == "td" else lam, aux)
-
-
 def with_advantage(df: pl.DataFrame, offs, cfg: LabelConfig, source: Any = None) -> pl.DataFrame:
     """Set ``next_value`` to 0 after terminal steps (V(terminal) = 0) and add ``advantage``."""
     adv = process_rewards(df, cfg.advantage, cfg.gamma, cfg.lam, offs=offs, source=source)
@@ -271,16 +245,3 @@ def check_finite(df: pl.DataFrame, path: Path) -> None:
             s = df[c]
             if (s.is_nan() | s.is_infinite()).any():
                 raise TableError(path, c, "computed NaN/inf values (check the inputs); nothing was written")
-
-
-def load_tokenizer(path: str | Path):
-    """A Hugging Face tokenizer from a local directory (no network, no remote code)."""
-    p = Path(path)
-    if not p.is_dir():
-        raise QevolveError(f"{p}: tokenizer directory not found")
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - one-line message for the user
-        raise QevolveError(f"{p}: cannot load a tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

@@ -58,7 +58,6 @@ computed by the exact slow path; the number is reported as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,6 +65,7 @@ import polars as pl
 import pyarrow as pa
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.tokenizer import load_tokenizer
 from qevolve_cli.transcript import (
     needs_system_in_user,
     state_end,
@@ -80,18 +80,6 @@ _SENT_A, _SENT_B = "\ue000", "\ue001"
 
 
 # --------------------------------------------------------------------------- tokenizer
-
-def load_tokenizer(tokenizer_dir_or_obj: Any):
-    """A HF fast tokenizer from a directory (offline) or passed through."""
-    if isinstance(tokenizer_dir_or_obj, (str, Path)):
-        path = Path(tokenizer_dir_or_obj)
-        if not (path / "tokenizer.json").is_file():
-            raise QevolveError(f"{path}: no tokenizer.json (a fast tokenizer directory is required)")
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-    return tokenizer_dir_or_obj
-
 
 def _tokenizer_json(tok) -> str:
     backend = getattr(tok, "backend_tokenizer", None) or getattr(tok, "_tokenizer", None)
@@ -268,7 +256,7 @@ def reference_positions(df: pl.DataFrame, tokenizer_dir_or_obj: Any, max_length:
     from qevolve_cli.schema import sort_steps
 
     _check_columns(df)
-    tok = load_tokenizer(tokenizer_dir_or_obj)
+    tok = load_tokenizer(tokenizer_dir_or_obj, require_fast=True)
     siu = needs_system_in_user(tok)
     df = sort_steps(df)
     offs = _traj_offsets(df)
@@ -296,7 +284,7 @@ class _Indexer:
     def __init__(self, tokenizer_dir_or_obj: Any):
         from qevolve_cli import _core
 
-        self.tok = load_tokenizer(tokenizer_dir_or_obj)
+        self.tok = load_tokenizer(tokenizer_dir_or_obj, require_fast=True)
         self.siu = needs_system_in_user(self.tok)
         self.rust = _core.PrefixIndexer(_tokenizer_json(self.tok))
         self.skel = _Skeletons(self.tok, self.siu)
@@ -436,7 +424,7 @@ def tokenize_trajectories(df: pl.DataFrame, tokenizer_dir_or_obj: Any) -> pl.Dat
     for c in ("window", "dropped_turns", "seq_len"):
         if c not in df.columns:
             raise QevolveError(f"<table>: column '{c}': missing (run add_prefix_positions / label --tokenizer first)")
-    tok = load_tokenizer(tokenizer_dir_or_obj)
+    tok = load_tokenizer(tokenizer_dir_or_obj, require_fast=True)
     siu = needs_system_in_user(tok)
     head = state_end(0, siu) + 1
     skel = _Skeletons(tok, siu)

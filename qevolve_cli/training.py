@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qevolve_cli.device import resolve_device
 from qevolve_cli.errors import QevolveError
 
 # --------------------------------------------------------------------------- arguments
@@ -143,16 +144,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-def resolve_device(device: str = "auto") -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise QevolveError("device: cuda requested but no CUDA device is available")
-    return device
 
 
 def resolve_precision(precision: str, device: str) -> str:
@@ -956,7 +947,7 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
         log_f = open(args.log_path, "a")  # noqa: SIM115
     every = max(0, int(args.checkpoint_every_steps))
 
-    from qevolve_cli.commands.common import progress
+    from qevolve_cli.progress import progress
 
     t0 = time.perf_counter()
     tokens_total = 0

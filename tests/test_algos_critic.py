@@ -14,7 +14,7 @@ from qevolve_cli.algos import (
     expectile_loss,
     td_target,
 )
-from qevolve_cli.critic.tabular import expectile, tabular_iql
+from qevolve_cli.tabular import expectile, tabular_iql
 
 torch.set_num_threads(1)
 

@@ -13,10 +13,11 @@ from qevolve_cli.critic.config import CriticConfig, load_critic_config
 from qevolve_cli.critic.data import attach_targets, build_items, collate, step_weights_for
 from qevolve_cli.critic.model import ADAPTERS, CriticModel, pool_last_token
 from qevolve_cli.critic.score import score_table
-from qevolve_cli.critic.trainer import CriticTrainer, load_tokenizer, pad_id_of, train_critic
+from qevolve_cli.critic.trainer import CriticTrainer, train_critic
 from qevolve_cli.errors import ConfigError, TableError
-from qevolve_cli.labeling import process_rewards
+from qevolve_cli.rewards import process_rewards
 from qevolve_cli.synthetic import synthetic_table
+from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 from qevolve_cli.training import lr_lambda
 
 SMALL = dict(lora_rank=4, head_hidden=16, device="cpu", checkpoint=False, warmup_ratio=0.0)

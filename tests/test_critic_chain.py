@@ -25,7 +25,8 @@ from qevolve_cli import schema
 from qevolve_cli.critic.config import load_critic_config
 from qevolve_cli.critic.score import score_table
 from qevolve_cli.critic.trainer import train_critic
-from qevolve_cli.labeling import LabelConfig, label_frame, process_rewards
+from qevolve_cli.labeling import LabelConfig, label_frame
+from qevolve_cli.rewards import process_rewards
 
 GOAL = 5
 

@@ -6,7 +6,7 @@ The MDP (a tree, so transcript histories and tabular states coincide)::
     gate --go north--> hall --go west--> pit      (r = 0, done)     [pit]
     gate --go south--> swamp --go east--> drowned (r = 0, done)     [swamp]
 
-The tabular reference (``qevolve_cli.critic.tabular.tabular_iql``: expectile
+The tabular reference (``qevolve_cli.tabular.tabular_iql``: expectile
 value iteration over dataset actions, with the same step weights) gives
 V(hall) > V(gate) > V(swamp) and advantages Q - V > 0 for the good actions
 (north at the gate, east in the hall) and < 0 for the bad ones (south, west).
@@ -23,8 +23,8 @@ import pytest
 from qevolve_cli import core
 from qevolve_cli.critic.config import CriticConfig
 from qevolve_cli.critic.score import score_table
-from qevolve_cli.critic.tabular import tabular_iql
 from qevolve_cli.critic.trainer import train_critic
+from qevolve_cli.tabular import tabular_iql
 
 GAMMA, M = 0.95, 0.7
 TYPES = [
@@ -116,8 +116,8 @@ def test_critic_reproduces_tabular_iql(tiny_model_dir, tmp_path):
     # test-time reranking (ablation "w/o PI"): in the hall, "go east" beats "go west"; the scores are
     # the same Q - V that score_table gives for the dataset's actions
     from qevolve_cli.critic.rerank import CriticReranker, rerank
-    from qevolve_cli.critic.trainer import load_tokenizer
     from qevolve_cli.envs.prompts import instruction_prompt
+    from qevolve_cli.tokenizer import load_tokenizer
     from qevolve_cli.transcript import build_messages, needs_system_in_user
 
     tok = load_tokenizer(tiny_model_dir)

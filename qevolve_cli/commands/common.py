@@ -19,6 +19,7 @@ import typer
 
 from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.progress import progress, stderr_console  # noqa: F401 - handed on to the commands
 
 SPLITS = ("train", "test_seen", "test_unseen", "test")
 
@@ -137,25 +138,3 @@ def flag_names(values: dict[str, Any], sets: dict[str, Any] | None = None,
 def emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, default=str) + "\n")
     sys.stdout.flush()
-
-
-def stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-def progress(quiet: bool = False, transient: bool = False):
-    """A rich progress bar on stderr (disabled when quiet)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-        console=stderr_console(),
-        disable=quiet,
-        transient=transient,
-    )

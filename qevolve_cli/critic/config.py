@@ -15,9 +15,7 @@ from typing import Any
 
 from qevolve_cli.config import ConfigBase, field, load_preset_config
 from qevolve_cli.errors import ConfigError
-
-# reductions of the per-step critic losses (see algos.critic_reduce)
-CRITIC_REDUCTIONS = ("traj_sum", "sum", "mean")
+from qevolve_cli.rewards import CRITIC_REDUCTIONS
 
 
 @dataclass

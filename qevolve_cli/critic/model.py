@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from qevolve_cli.algos import ema_update_
+from qevolve_cli.device import resolve_device
 from qevolve_cli.errors import QevolveError
 
 ADAPTERS = ("value", "q", "q_target")
@@ -49,14 +50,6 @@ def pool_last_token(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     B, K = positions.shape
     idx = positions.unsqueeze(-1).expand(B, K, hidden.shape[-1])
     return torch.gather(hidden, 1, idx)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise QevolveError("device: cuda requested but no CUDA GPU is available")
-    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -117,7 +110,7 @@ class CriticModel(nn.Module):
         """Fresh critic: LoRA adapters on ``base_model``; q_target and the target heads start as copies of q."""
         from peft import LoraConfig, get_peft_model
 
-        device = device or resolve_device(cfg.device)
+        device = device or torch.device(resolve_device(cfg.device))
         dtype = dtype or resolve_dtype(cfg.dtype, device)
         torch.manual_seed(cfg.seed)
         base = _load_base(base_model, dtype, device)
@@ -150,7 +143,7 @@ class CriticModel(nn.Module):
         if not meta_p.is_file():
             raise QevolveError(f"{d}: not a critic directory (no {CRITIC_META}; train one with `qevolve critic`)")
         meta = json.loads(meta_p.read_text())
-        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        dev = device if isinstance(device, torch.device) else torch.device(resolve_device(device))
         dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
         base_dir = Path(base_model or meta["base_model"])
         if not base_dir.is_absolute() and not base_dir.is_dir():

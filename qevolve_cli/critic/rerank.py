@@ -16,6 +16,7 @@ from pathlib import Path
 
 from qevolve_cli.critic.data import render_ids
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.tokenizer import pad_id_of
 
 
 class CriticReranker:
@@ -23,7 +24,6 @@ class CriticReranker:
 
     def __init__(self, critic_dir: str | Path, device: str = "auto"):
         from qevolve_cli.critic.score import load_critic
-        from qevolve_cli.critic.trainer import pad_id_of
 
         self.model, self.tokenizer = load_critic(critic_dir, device=device)
         self.pad_id = pad_id_of(self.tokenizer)

@@ -10,7 +10,7 @@ trajectory (trajectories batched, right-padded):
 
 GAE itself (docs/critic.md) is in the Rust core (``qevolve_cli.core.gae``); the process
 reward variants (``gae``, ``gae_aux``, ``td``, ``q_minus_v``) are
-:func:`qevolve_cli.labeling.process_rewards`, called by ``qevolve label``.
+:func:`qevolve_cli.rewards.process_rewards`, called by ``qevolve label``.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 
 from qevolve_cli.critic.data import build_items, collate
+from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
 
 def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size: int = 8, device: str = "auto",
@@ -34,14 +35,13 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
     """
 
     from qevolve_cli.critic.model import CriticModel
-    from qevolve_cli.critic.trainer import load_tokenizer, pad_id_of
 
     model = critic if isinstance(critic, CriticModel) else CriticModel.load(critic, device=device)
     if tokenizer is None:
         if isinstance(critic, CriticModel):
-            tokenizer = load_tokenizer(critic.base_path)
+            tokenizer = load_tokenizer(critic.base_path, require_chat_template=True)
         else:
-            tokenizer = load_tokenizer(critic)
+            tokenizer = load_tokenizer(critic, require_chat_template=True)
     items = build_items(df, tokenizer, max_length=None)
     dev = next(model.heads.parameters()).device
     outs = ("value", "next_value", "q_value") if with_q else ("value", "next_value")
@@ -99,11 +99,10 @@ def score_items(model: Any, items: list, n_rows: int, pad_id: int, device: Any, 
     return cols
 
 
-# ---------------------------------------------------------------- process rewards (pure)
+# ---------------------------------------------------------------- loading
 
 def load_critic(critic_dir: str | Path, device: str = "auto"):
     """(CriticModel, tokenizer) of a saved critic directory."""
     from qevolve_cli.critic.model import CriticModel
-    from qevolve_cli.critic.trainer import load_tokenizer
 
-    return CriticModel.load(critic_dir, device=device), load_tokenizer(critic_dir)
+    return CriticModel.load(critic_dir, device=device), load_tokenizer(critic_dir, require_chat_template=True)

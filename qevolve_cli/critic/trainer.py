@@ -43,6 +43,8 @@ from qevolve_cli.critic.config import CriticConfig
 from qevolve_cli.critic.data import TrajItem, attach_targets, build_items, collate, load_table, sample_steps
 from qevolve_cli.critic.model import CriticModel
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.rewards import process_rewards
+from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 from qevolve_cli.training import (
     check_checkpoint_backend,
     checkpoint_meta,
@@ -58,27 +60,6 @@ from qevolve_cli.training import (
 )
 
 ProgressFn = Callable[[int, str], None]  # (batches advanced, info text)
-
-
-def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    p = Path(model_dir)
-    if not p.is_dir():
-        raise QevolveError(f"{p}: model directory not found")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False, local_files_only=True)
-    except Exception as e:  # noqa: BLE001
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QevolveError(f"{p}: cannot load a tokenizer ({msg})") from None
-    if getattr(tok, "chat_template", None) is None:
-        raise QevolveError(f"{p}: the tokenizer has no chat template")
-    return tok
-
-
-def pad_id_of(tok: Any) -> int:
-    pid = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return int(pid if pid is not None else 0)
 
 
 class _Group:
@@ -406,7 +387,6 @@ def evaluate_items(trainer: CriticTrainer, items: list[TrajItem], df: Any, cfg: 
 
     from qevolve_cli import core
     from qevolve_cli.critic.diagnostics import diagnose
-    from qevolve_cli.labeling import process_rewards
 
     if not items:
         return {}
@@ -480,7 +460,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     out = Path(out)
     t_start = time.perf_counter()
     df, source = load_table(data)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(model, require_chat_template=True)
     items = build_items(df, tok, cfg.max_length, source)
     attach_targets(items, df, cfg, source)
     skipped_steps = int(sum((~it.usable).sum() for it in items))

@@ -13,7 +13,7 @@ state ``s_t`` (the house, the lamps that are on, the steps left) then gets
   ``V*`` gives the *exact* advantages ``A* <= 0`` (the critic's ceiling);
 * ``tabular_iql``: the fixed point of the critic's own losses (weighted IQL, expectile ``m``) on the
   table's transitions with these exact states
-  (:func:`qevolve_cli.critic.tabular.tabular_iql`): what a perfect function approximator would learn
+  (:func:`qevolve_cli.tabular.tabular_iql`): what a perfect function approximator would learn
   from this data, with the critic's reward (``r_env + r_aux`` by default, the paper's; ``r_env``
   alone as the alternative).
 
@@ -118,7 +118,7 @@ def tabular_iql_values(df: pl.DataFrame, gamma: float, expectile: float, fit_rew
     """``df`` with ``value`` / ``next_value`` from exact weighted IQL on its own transitions (exact
     states from the replay). ``fit_reward``: ``env_aux`` (r_env + r_aux, the paper's critic) or
     ``env``; ``weighted``: the step weights ``w_t`` (column ``weight``) or 1."""
-    from qevolve_cli.critic.tabular import tabular_iql
+    from qevolve_cli.tabular import tabular_iql
 
     if fit_reward not in FIT_REWARDS:
         raise QevolveError(f"fit_reward: unknown {fit_reward!r} (choose from {', '.join(FIT_REWARDS)})")

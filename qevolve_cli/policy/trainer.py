@@ -30,6 +30,7 @@ import numpy as np
 from qevolve_cli.errors import QevolveError, TableError
 from qevolve_cli.policy.config import PolicyConfig
 from qevolve_cli.policy.data import PolicyExample, build_examples, collate
+from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
 # --------------------------------------------------------------------------- loading
 
@@ -70,19 +71,6 @@ def load_causal_lm(path: str | Path, trainable_lora: bool = False, what: str = "
     except (OSError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise QevolveError(f"{what} {p}: cannot load the model ({msg})") from None
-
-
-def load_tokenizer(path: str | Path, what: str = "--model"):
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QevolveError(f"{what} {path}: cannot load the tokenizer ({msg})") from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def data_paths(data) -> list[Path]:
@@ -314,7 +302,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
     backend = make_backend(args, cfg.grad_accum_steps)
     device = backend.device
     torch.manual_seed(cfg.seed)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, what="--model", fill_pad=True)
     policy = load_causal_lm(model_path, trainable_lora=cfg.lora)
     init_dtype = getattr(policy.config, "dtype", None)
     if cfg.lora:
@@ -342,7 +330,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         mu, sd = float(allv.mean()), float(allv.std()) + 1e-8
         for e in examples:
             e.advantages = ((e.advantages - mu) / sd).astype(np.float32)
-    pad_id = tok.pad_token_id
+    pad_id = pad_id_of(tok)
 
     # ---- reference and old-policy log-probs (precomputed; only the policy stays loaded)
     state: dict[str, list[np.ndarray] | None] = {"old": None, "ref": None}

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.tokenizer import load_tokenizer  # noqa: F401 - the one loader, handed on to the backends
 from qevolve_cli.transcript import Message
 
 BACKENDS = ("hf", "vllm", "openai")
@@ -102,20 +103,6 @@ def _check_adapter_dir(adapter: str | Path | None) -> None:
         raise QevolveError(f"--adapter {p}: no such directory")
     if not (p / "adapter_config.json").is_file():
         raise QevolveError(f"--adapter {p}: not a PEFT adapter (no adapter_config.json)")
-
-
-def load_tokenizer(policy: str | Path, adapter: str | Path | None = None):
-    """The policy's tokenizer (the adapter's when it ships one), with a chat template."""
-    from transformers import AutoTokenizer
-
-    src = adapter if adapter is not None and (Path(adapter) / "tokenizer_config.json").is_file() else policy
-    try:
-        tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
-    except Exception as e:
-        raise QevolveError(f"{src}: cannot load the tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if not getattr(tok, "chat_template", None):
-        raise QevolveError(f"{src}: the tokenizer has no chat template (tokenizer_config.json 'chat_template')")
-    return tok
 
 
 def stop_token_ids(tokenizer, extra: Sequence[int] = ()) -> list[int]:

@@ -223,7 +223,7 @@ class HFBackend(Backend):
             tdtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        self.tokenizer = load_tokenizer(policy, adapter)
+        self.tokenizer = load_tokenizer(policy, adapter=adapter, require_chat_template=True)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token

@@ -34,7 +34,7 @@ class OpenAIBackend(Backend):
         self.tokenizer = None
         if policy is not None and (Path(policy) / "tokenizer_config.json").is_file():
             try:
-                self.tokenizer = load_tokenizer(policy)
+                self.tokenizer = load_tokenizer(policy, require_chat_template=True)
             except QevolveError:
                 self.tokenizer = None
         cfg_max = 0

@@ -117,7 +117,7 @@ class VLLMBackend(Backend):
             from vllm import LLM
         except ImportError as e:
             raise QevolveError(f"--backend vllm: vLLM does not import ({_first_line(e)})") from None
-        self.tokenizer = load_tokenizer(policy, adapter)
+        self.tokenizer = load_tokenizer(policy, adapter=adapter, require_chat_template=True)
         if not on_gpu:
             _check_cpu_head_size(policy)
         if dtype == "auto":  # like the hf backend: float32 on CPU (greedy output equal to hf), bf16 on GPU

@@ -1,4 +1,5 @@
-"""Exact dataset-constrained (weighted) IQL on a finite MDP: the reference of the critic's correctness test.
+"""Exact dataset-constrained (weighted) IQL on a finite MDP: the reference of the critic's correctness test
+and the ``tabular_iql`` value source of ``qevolve label`` (envs/oracle.py).
 
 The fixed point of the critic's two losses on a tabular dataset of
 transitions (s, a, r, s', d) with weights w:

@@ -4,6 +4,10 @@ gloo communication), compared with the plain single-process run of the same conf
 What must hold (fp32, same data order, same effective batch): the ranks' share of every optimiser
 step is weighted so that the averaged gradient is the step's exact weighted mean, hence the
 trained weights and the logged loss curve equal the single-process ones up to float rounding.
+
+The kill-and-resume runs (BPPO under ZeRO-3, the critic under ZeRO-2) are simulated two-node launches
+(:func:`two_nodes`: two torchrun agents with ``--nnodes 2 --nproc-per-node 1`` and a c10d rendezvous on
+127.0.0.1, as on two machines; issue 27) in which node 1's rank alone is SIGKILLed mid-epoch.
 """
 from __future__ import annotations
 
@@ -141,17 +145,33 @@ def qevolve_here(*args) -> dict:
 
 @pytest.fixture(scope="module")
 def bppo_runs(policy_table, tiny_model_dir, tmp_path_factory) -> Path:
-    """BPPO in one process, uninterrupted (``plain``), and on 2 ranks under ZeRO-3 (``z3``) SIGKILLed right after
-    the checkpoint of step 1 (``checkpoint_every_steps=1``), in the middle of epoch 1, then started again with
-    the same command (``z3_killed.json``: what the kill left; ``z3.json``: the resumed run's summary)."""
+    """BPPO in one process, uninterrupted (``plain``), and under ZeRO-3 on two simulated nodes of one rank each
+    (``z3``, :func:`two_nodes`: two torchrun agents, c10d rendezvous on 127.0.0.1) whose node 1 rank is SIGKILLed
+    right after the checkpoint of step 1 (``checkpoint_every_steps=1``), in the middle of epoch 1, then both
+    launched again with the same command (``z3_killed.json``: what the kill left; ``z3.json``: the resumed run's
+    summary, printed by node 0 alone)."""
     d = tmp_path_factory.mktemp("bppo")
     args = ["--data", policy_table, "--model", tiny_model_dir, *BPPO]
     qevolve_here("policy", *args, "--out", d / "plain")
     z3 = ["policy", *args, "--out", d / "z3", "--set", f"deepspeed={ZERO3}", "--set", "checkpoint_every_steps=1"]
-    torchrun(*z3, kill_after=1)
-    (d / "z3_killed.json").write_text(json.dumps(killed_run(d / ".z3.work" / "ckpt", d / "z3", "meta.json")))
-    (d / "z3.json").write_text(json.dumps(last_json(torchrun(*z3).stdout)))
+    lose_node_1_and_resume(z3, d / "z3_killed.json", d / ".z3.work" / "ckpt", d / "z3", "meta.json", d / "z3.json")
     return d
+
+
+def lose_node_1_and_resume(cmd: list, killed_json: Path, ckpt_dir: Path, out: Path, pointer: str,
+                           summary_json: Path) -> None:
+    """Run ``cmd`` on :func:`two_nodes` with node 1's rank SIGKILLed after the checkpoint of step 1 (node 0's rank
+    fails on its next collective: both launches fail), record what it left, launch both nodes again and record
+    node 0's summary (node 1 prints none)."""
+    lost = two_nodes(*cmd, kill_node1_after=1)
+    assert all(p.returncode != 0 for p in lost) and "SIGKILL" in lost[1].stderr, lost[1].stderr[-3000:]
+    killed_json.write_text(json.dumps(killed_run(ckpt_dir, out, pointer)))
+    resumed = two_nodes(*cmd)
+    assert [p.returncode for p in resumed] == [0, 0], resumed[0].stderr[-3000:] + resumed[1].stderr[-3000:]
+    assert not [ln for ln in resumed[1].stdout.splitlines() if ln.startswith("{")], resumed[1].stdout
+    for p in resumed:
+        assert "terminate called" not in p.stderr and "destroy_process_group" not in p.stderr, p.stderr[-3000:]
+    summary_json.write_text(json.dumps(last_json(resumed[0].stdout)))
 
 
 def qevolve_killed_after(step: int, *args) -> None:
@@ -171,7 +191,7 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 @pytest.mark.timeout(300)
 def test_policy_bppo_lora_zero3_killed_and_resumed_equals_uninterrupted_single_process(bppo_runs):
-    """BPPO with a LoRA adapter under ZeRO-3: pi_ref / pi_old log-probs come from the full initial model
+    """BPPO with a LoRA adapter under ZeRO-3 on two simulated nodes (docs/cluster.md): pi_ref / pi_old log-probs come from the full initial model
     (before DeepSpeed partitions it), pi_old is refreshed through the partitioned engine every step on
     all ranks, and the adapter is gathered on rank 0 to be saved. The run was SIGKILLed after the
     checkpoint of step 1 (DeepSpeed's engine checkpoint: each rank wrote its partition) and started again:
@@ -275,9 +295,10 @@ CRITIC_FILES = ("heads.safetensors", "adapters/value/adapter_model.safetensors",
 @pytest.fixture(scope="module")
 def critic_runs(tiny_model_dir, tmp_path_factory) -> Path:
     """The critic on 7 trajectories (4 trained on, 3 held out: batches of 3 and 1, 2 epochs, 4 updates) in one
-    process, uninterrupted (``plain``), and with ZeRO-2 on 2 ranks (``z2``) SIGKILLed right after the
-    checkpoint of update 1 (``checkpoint_every_steps=1``), in the middle of epoch 1, then started again
-    (``z2_killed.json``: what the kill left; ``z2.json``: the resumed run's summary)."""
+    process, uninterrupted (``plain``), and with ZeRO-2 on two simulated nodes of one rank each (``z2``,
+    :func:`two_nodes`) whose node 1 rank is SIGKILLed right after the checkpoint of update 1
+    (``checkpoint_every_steps=1``), in the middle of epoch 1, then both launched again (``z2_killed.json``: what
+    the kill left; ``z2.json``: the resumed run's summary)."""
     from qevolve_cli import schema
 
     d = tmp_path_factory.mktemp("critic")
@@ -285,9 +306,7 @@ def critic_runs(tiny_model_dir, tmp_path_factory) -> Path:
     args = ["--data", d / "lab.parquet", "--model", tiny_model_dir, *CRITIC]
     qevolve_here("critic", *args, "--out", d / "plain")
     z2 = ["critic", *args, "--out", d / "z2", "--set", f"deepspeed={ZERO2}", "--set", "checkpoint_every_steps=1"]
-    torchrun(*z2, kill_after=1)
-    (d / "z2_killed.json").write_text(json.dumps(killed_run(d / "z2.partial", d / "z2", "progress.json")))
-    (d / "z2.json").write_text(json.dumps(last_json(torchrun(*z2).stdout)))
+    lose_node_1_and_resume(z2, d / "z2_killed.json", d / "z2.partial", d / "z2", "progress.json", d / "z2.json")
     return d
 
 
@@ -309,7 +328,7 @@ def assert_same_epoch_metrics(got: list[dict], ref: list[dict], rtol: float) -> 
 
 @pytest.mark.timeout(300)
 def test_critic_zero2_killed_and_resumed_equals_uninterrupted_single_process(critic_runs):
-    """Two DeepSpeed engines (Q branch, V branch) over one critic: alternating updates, per-branch
+    """Two DeepSpeed engines (Q branch, V branch) over one critic, on two simulated nodes: alternating updates, per-branch
     clipping and LR schedules, EMA of q_target; a batch of 3 trajectories is split 2 / 1 over the ranks.
     The run was SIGKILLed after the checkpoint of update 1 (each branch's engine checkpoint, one ZeRO-2
     partition per rank; the EMA target in the Q engine's client state) and started again: it resumed at
@@ -427,3 +446,35 @@ def test_plain_checkpoint_is_not_resumed_under_deepspeed(policy_table, tiny_mode
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "written by a torch run, this is a deepspeed run" in err[0], err
     assert not (tmp_path / "out").exists() and (ck / "meta.json").exists()
+
+
+def two_nodes(*args, kill_node1_after: int | None = None, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """A simulated two-node launch: two torchrun agents on this machine, ``--nnodes 2 --nproc-per-node 1``,
+    meeting at a c10d rendezvous on 127.0.0.1 (node 0 hosts its store), as two machines would
+    (docs/cluster.md). ``kill_node1_after=K``: only node 1's rank SIGKILLs itself after the checkpoint of
+    step K (a node lost mid-epoch); node 0's rank then fails on its next collective."""
+    from qevolve_cli.training import _free_port
+
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        env = ds_env()
+        if kill_node1_after is not None and node == 1:
+            env[KILL] = str(kill_node1_after)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{port}",
+               "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}", "-m", "qevolve_cli", *map(str, args)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    return done
+

@@ -37,7 +37,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 QEVOLVE := $(PY) -m qevolve_cli
 
-.PHONY: setup vllm-venv demo test test-py test-rust test-vllm bench lint build install clean
+.PHONY: setup vllm-venv demo demo-smol test test-py test-rust test-vllm bench lint build install clean
 
 setup: $(STAMP) $(MODEL_STAMP) $(EXT_STAMP)
 
@@ -113,6 +113,12 @@ demo: install
 	rm -rf runs/demo
 	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo   # ends with the report
 	@echo "the same from your shell: qevolve report runs/demo  (qevolve: $(BINDIR)/qevolve)" >&2
+
+# the same loop with the pretrained SmolLM2-135M-Instruct (LoRA) on lamps: hours on 2 cores (README)
+demo-smol: install
+	rm -rf runs/demo-smol
+	$(QEVOLVE) evolve --env lamps --preset cpu-smol --iters 1 --run-dir runs/demo-smol
+	@echo "the same from your shell: qevolve report runs/demo-smol" >&2
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b" >&2; $(PY) $$b || exit 1; done

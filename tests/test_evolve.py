@@ -236,3 +236,20 @@ def test_plan_uses_the_chosen_critic_backbone(tmp_path):
     assert "qevolve critic --data iter_1/labeled.parquet --model bc/policy" in plan
     plan = Plan(resolve("textcraft", "smoke"), tmp_path).shell()
     assert "qevolve critic --data iter_1/labeled.parquet --model base_model" in plan
+
+
+def test_cpu_smol_preset(tmp_path):
+    """--preset cpu-smol: the pretrained SmolLM2 base (init-model --from), LoRA r 16 on all linear layers for
+    the BC / BPPO policy and the critic, fp32; a bad pretrained name is a config error."""
+    from qevolve_cli.evolve.loop import Plan
+
+    cfg = resolve("lamps", "cpu-smol", overrides={"iters": 1})
+    assert cfg.init_model == "from:smollm2-135m-instruct" and cfg.expert_limit == 60
+    for name, k in (("bc", 0), ("policy", 1)):
+        p = cfg.stage(name, k)
+        assert (p.lora, p.lora_r, p.lora_target_modules, p.device) == (True, 16, "all-linear", "cpu")
+    c = cfg.stage("critic", 1)
+    assert (c.lora_rank, c.lora_target_modules, c.dtype) == (16, ["all-linear"], "float32")
+    assert "qevolve init-model --from smollm2-135m-instruct --out base_model" in Plan(cfg, tmp_path).shell()
+    with pytest.raises(ConfigError, match="unknown pretrained model 'gpt-5'"):
+        resolve("lamps", "cpu-smol", overrides={"init_model": "from:gpt-5"})

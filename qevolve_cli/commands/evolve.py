@@ -21,12 +21,14 @@ critic -> label --critic -> policy (bppo) -> eval, into RUN_DIR (resumable).
 
 \b
 Presets: configs/presets/<env>.yaml holds the paper's hyper-parameters per environment and
-iteration; --preset smoke|cpu scales it down to 2 CPU cores with a tiny offline model.
+iteration; --preset smoke|cpu scales it down to 2 CPU cores with a tiny offline model;
+--preset cpu-smol is cpu with the pretrained SmolLM2-135M-Instruct and LoRA (lamps; hours).
 The equivalent shell commands are printed and saved as RUN_DIR/plan.sh.
 
 \b
 Examples:
   qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
+  qevolve evolve --env lamps --preset cpu-smol --iters 1 --run-dir runs/demo-smol
   qevolve evolve --env sciworld --iters 2 --preset smoke --run-dir runs/sw-smoke
   qevolve evolve --env alfworld --iters 2 --model /models/Llama-3-8B-Instruct --run-dir runs/alf
   qevolve evolve --env sciworld --iters 2 --model M --run-dir runs/sw --resume   # after Ctrl-C / a crash
@@ -41,7 +43,7 @@ def register(app: typer.Typer) -> None:
         model: Annotated[str | None, typer.Option("--model", help="Base model directory (HF checkpoint).")] = None,
         policy: Annotated[str | None, typer.Option("--policy", help="Start from this policy (skip BC).")] = None,
         expert: Annotated[str | None, typer.Option("--expert", help="Existing expert table (skip collection).")] = None,
-        preset: Annotated[str, typer.Option("--preset", help="paper (default), smoke or cpu.")] = "paper",
+        preset: Annotated[str, typer.Option("--preset", help="paper (default), smoke, cpu or cpu-smol.")] = "paper",
         run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<env>-<preset>).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run (a finished run is a no-op).")] = False,
         config: ConfigOpt = None,

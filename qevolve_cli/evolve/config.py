@@ -21,21 +21,24 @@ from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
 from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import ConfigError
 
-SCALES = ("paper", "smoke", "cpu")
+SCALES = ("paper", "smoke", "cpu", "cpu-smol")
 STAGE_SECTIONS = ("bc", "rollout", "label", "critic", "policy")
 
 
 @dataclass
 class EvolveConfig(ConfigBase):
     env: str = field("textcraft", help="Environment.", choices=ENVS)
-    preset: str = field("paper", help="Scale preset applied over the environment preset: paper, smoke, cpu.",
+    preset: str = field("paper", help="Scale preset applied over the environment preset: paper, smoke, cpu, cpu-smol "
+                        "(cpu with the pretrained SmolLM2-135M-Instruct and LoRA).",
                         choices=SCALES)
     iters: int = field(2, help="Evolving iterations K (paper: 2 for SciWorld/ALFWorld, 3 for WebShop).", ge=0)
     seed: int = field(0, help="Seed of every stage (rollout sampling, training order, initialisation).")
     model: str | None = field(None, help="Base model directory (HF checkpoint): backbone of the critic and "
                                          "initial policy of BC.")
     init_model: str | None = field(None, help="When no model is given: build a tiny offline model 'ARCH:SIZE' "
-                                              "(e.g. llama:tiny) into the run directory.")
+                                              "(e.g. llama:tiny) into the run directory, or 'from:NAME' to convert "
+                                              "a pretrained one (from:smollm2-135m-instruct; `qevolve init-model "
+                                              "--from`).")
     start_policy: str | None = field(None, help="Start from this policy (skips BC).")
     critic_backbone: str = field("base", help="Frozen backbone of each iteration's critic: base (the pretrained "
                                               "base model, the paper) or policy (the iteration's starting policy).",
@@ -68,7 +71,13 @@ class EvolveConfig(ConfigBase):
         if self.init_model is not None:
             parts = self.init_model.split(":")
             if len(parts) != 2:
-                raise ConfigError(source, prefix + "init_model", f"expected ARCH:SIZE, got {self.init_model!r}")
+                raise ConfigError(source, prefix + "init_model", f"expected ARCH:SIZE or from:NAME, got {self.init_model!r}")
+            if parts[0] == "from":
+                from qevolve_cli.models.pretrained import SOURCES
+
+                if parts[1] not in SOURCES:
+                    raise ConfigError(source, prefix + "init_model",
+                                      f"unknown pretrained model {parts[1]!r} (choose from {', '.join(SOURCES)})")
         for i, it in enumerate(self.iterations):
             unknown = sorted(set(it) - set(STAGE_SECTIONS))
             if unknown:

@@ -57,7 +57,10 @@ class Plan:
                  "set -euo pipefail", f"cd {q(str(self.run.resolve()))}"]
         if not c.model and c.init_model:
             arch, size = c.init_model.split(":")
-            lines.append(f"qevolve init-model --out base_model --arch {arch} --size {size} --seed {c.seed}")
+            if arch == "from":
+                lines.append(f"qevolve init-model --from {size} --out base_model")
+            else:
+                lines.append(f"qevolve init-model --out base_model --arch {arch} --size {size} --seed {c.seed}")
         base = q(self.base_model())
         if not c.expert_data:
             lim = f" --limit {c.expert_limit}" if c.expert_limit else ""
@@ -144,6 +147,11 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
         arch, size = cfg.init_model.split(":")
 
         def make_base():
+            if arch == "from":  # a pretrained model (converted once, cached in ~/.cache/qevolve/models)
+                from qevolve_cli.models.pretrained import init_pretrained
+
+                init_pretrained(size, run.path / "base_model")
+                return {"from": size}
             from qevolve_cli.models.tiny import create_tiny_model
 
             create_tiny_model(run.path / "base_model", arch=arch, size=size, seed=cfg.seed)

@@ -1,4 +1,4 @@
-"""Benchmark: policy training throughput (tokens/s) and peak memory on CPU with the tiny model, bc and bppo.
+"""Benchmark: policy training throughput (tokens/s) and peak memory on CPU, bc and bppo (tiny model or SmolLM2).
 
 Prints one JSON object. The baseline, measured in the same run on the same
 padded micro-batches, is a bare PyTorch loop (forward with ``labels``,
@@ -7,6 +7,11 @@ backward, AdamW step) with no data pipeline, masking or BPPO terms; the ratio
 runs in a fresh subprocess so that its peak RSS is its own.
 
     python benchmarks/bench_policy.py [--quick] [--threads N]
+    python benchmarks/bench_policy.py --size smollm2 --lora --threads 2 --trajectories 8 --steps 4
+
+``--size smollm2`` trains the pretrained SmolLM2-135M-Instruct (``qevolve init-model --from
+smollm2-135m-instruct``, cached); ``--lora`` puts LoRA r 16 on all linear layers in both loops (the
+``cpu-smol`` preset), the bare loop through the same ``peft.get_peft_model``.
 """
 from __future__ import annotations
 
@@ -56,21 +61,22 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _run_policy(objective, data, model, out, threads, epochs, q):
+def _run_policy(objective, data, model, out, threads, epochs, lora, q):
     import torch
 
     torch.set_num_threads(threads)
     from qevolve_cli.policy import PolicyConfig, train_policy
 
     cfg = PolicyConfig(objective=objective, epochs=epochs, lr=1e-3, micro_batch_tokens=4096, micro_batch_size=8,
-                       warmup_ratio=0.0, bc_source="all")
+                       warmup_ratio=0.0, bc_source="all", lora=lora, lora_r=16, lora_alpha=32,
+                       lora_target_modules="all-linear")
     m = train_policy(cfg, data, model, out, quiet=True)
     q.put({"tokens_per_s": m["tokens_per_s"], "train_tokens": m["train_tokens"], "seconds": m["train_seconds"],
            "optimizer_steps": m["optimizer_steps"], "nll_before": m["nll_before"], "nll_after": m["nll_after"],
            "peak_rss_mib": round(_peak_mib(), 1)})
 
 
-def _run_baseline(data, model, threads, epochs, q):
+def _run_baseline(data, model, threads, epochs, lora, q):
     """Bare loop on the same micro-batches: model(ids, labels).loss.backward(); AdamW.step()."""
     import polars as pl
     import torch
@@ -84,8 +90,13 @@ def _run_baseline(data, model, threads, epochs, q):
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        lm = get_peft_model(lm, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                           task_type="CAUSAL_LM"))
     exs = build_examples(pl.read_parquet(data), tok, 4096)
-    opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-3)
     with torch.no_grad():  # warm-up, as the trainer's initial log-prob pass does
         b = collate(exs[:8], tok.pad_token_id)
         lm(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
@@ -120,25 +131,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller data (a few seconds)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    ap.add_argument("--size", default="tiny", choices=("tiny", "small", "smollm2"))
+    ap.add_argument("--lora", action="store_true", help="LoRA r 16 on all linear layers (both loops)")
+    ap.add_argument("--trajectories", type=int, default=0, help="override the number of trajectories")
+    ap.add_argument("--steps", type=int, default=0, help="override the steps per trajectory")
+    ap.add_argument("--epochs", type=int, default=0, help="override the epochs")
+    ap.add_argument("--objectives", default="bc,bppo")
     a = ap.parse_args()
     n_traj, steps, epochs = (8, 4, 1) if a.quick else (32, 8, 2)
-    from qevolve_cli.models.tiny import create_tiny_model
+    n_traj, steps, epochs = a.trajectories or n_traj, a.steps or steps, a.epochs or epochs
 
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
-        model = create_tiny_model(td / "model", size=a.size)
+        if a.size == "smollm2":
+            from qevolve_cli.models.pretrained import init_pretrained
+
+            model, _, _ = init_pretrained("smollm2-135m-instruct", td / "model")
+        else:
+            from qevolve_cli.models.tiny import create_tiny_model
+
+            model = create_tiny_model(td / "model", size=a.size)
         data = td / "data.parquet"
         make_table(data, n_traj, steps)
-        base = _in_child(_run_baseline, str(data), str(model), a.threads, epochs)
+        base = _in_child(_run_baseline, str(data), str(model), a.threads, epochs, a.lora)
         res = {}
-        for obj in ("bc", "bppo"):
-            r = _in_child(_run_policy, obj, str(data), str(model), str(td / obj), a.threads, epochs)
+        for obj in a.objectives.split(","):
+            r = _in_child(_run_policy, obj, str(data), str(model), str(td / obj), a.threads, epochs, a.lora)
             r["vs_baseline"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
             res[obj] = r
     print(json.dumps({
         "benchmark": "policy_training_cpu",
-        "model": f"tiny llama ({a.size})",
+        "model": "SmolLM2-135M-Instruct" if a.size == "smollm2" else f"tiny llama ({a.size})",
+        "lora": "r16 all-linear" if a.lora else None,
         "threads": a.threads,
         "trajectories": n_traj, "steps_per_trajectory": steps, "epochs": epochs,
         "baseline_bare_torch_loop": base,

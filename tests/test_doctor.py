@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -13,11 +16,26 @@ from tests.conftest import run_qevolve
 CHECKS = ["hf_generation", "vllm_engine_lora", "critic_step", "bppo_step", "deepspeed_zero2_2ranks"]
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, asked of the driver (nvidia-smi), not of torch: 0 without a driver."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    n = sum(line.startswith("GPU ") for line in r.stdout.splitlines()) if r.returncode == 0 else 0
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is not None:
+        n = min(n, len([x for x in mask.split(",") if x.strip() and not x.strip().startswith("-")]))
+    return n
+
+
 def test_doctor_reports_versions_devices_backends() -> None:
     r = run_qevolve("doctor", "--json", check=True)
     d = json.loads(r.stdout)
     assert d["versions"]["torch"] and d["versions"]["transformers"] and d["versions"]["qevolve"]
-    assert d["cuda"]["available"] in (True, False) and isinstance(d["cuda"]["devices"], list)
+    gpus = visible_gpus()
+    want = d["cuda"]["torch_cuda"] is not None and gpus > 0  # a CUDA build of torch and a visible GPU
+    assert d["cuda"]["available"] is want, (d["cuda"], gpus)
+    assert len(d["cuda"]["devices"]) == (gpus if want else 0), (d["cuda"], gpus)
     assert d["backends"]["hf"] == "ok"
     has_vllm = importlib.util.find_spec("vllm") is not None
     assert (d["backends"]["vllm"] == "ok") == has_vllm

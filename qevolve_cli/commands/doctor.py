@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from qevolve_cli.commands.common import JsonOpt, emit_json, run_command, stderr_console
+from qevolve_cli.commands.common import JsonOpt, QuietOpt, emit_json, run_command, stderr_console
 
 HELP = """Report versions, devices and which backends work here; --smoke runs each path once.
 
@@ -286,6 +286,7 @@ def register(app: typer.Typer) -> None:
         only: Annotated[str | None, typer.Option("--only", help="Comma list of smoke checks: " + ", ".join(
             n for n, _ in CHECKS) + ".")] = None,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
     ) -> None:
         def body() -> None:
             from qevolve_cli.errors import QevolveError
@@ -307,7 +308,7 @@ def register(app: typer.Typer) -> None:
                     if not json_out:
                         colour = {"pass": "green", "skip": "yellow", "fail": "red"}[r["status"]]
                         con.print(f"[{colour}]{r['status']:4}[/{colour}] {r['check']:24} {r['seconds']:6.1f} s  {r['detail']}")
-                    else:
+                    elif not quiet:  # --json: one progress line per check on stderr
                         con.print(f"{r['check']}: {r['status']} ({r['seconds']} s)")
 
                 checks = run_smoke(names, echo)

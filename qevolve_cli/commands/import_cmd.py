@@ -10,6 +10,7 @@ from qevolve_cli.commands.common import (
     EnvOpt,
     JsonOpt,
     OutOpt,
+    QuietOpt,
     SplitOpt,
     check_choice,
     emit_json,
@@ -41,6 +42,7 @@ def register(app: typer.Typer) -> None:
         split: SplitOpt = "train",
         reward: Annotated[float, typer.Option("--reward", help="Final reward when a record has no 'reward' (ETO SFT data: successful experts).")] = 1.0,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,  # noqa: ARG001 - nothing to report on stderr: accepted like every stage's
     ) -> None:
         def body():
             from qevolve_cli.envs.eto import import_eto

@@ -10,6 +10,7 @@ from qevolve_cli.commands.common import (
     ConfigOpt,
     JsonOpt,
     OutOpt,
+    QuietOpt,
     emit_json,
     flag_names,
     naming_flags,
@@ -51,6 +52,7 @@ def register(app: typer.Typer) -> None:
             "--value-source", help="value/next_value from: critic (default; --critic), oracle (exact V* of the "
                                    "env's solver: lamps, lamps-hard), tabular_iql (exact IQL on the table).")] = None,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
     ) -> None:
         def body() -> None:
             from qevolve_cli.config import load_config
@@ -74,7 +76,7 @@ def register(app: typer.Typer) -> None:
                                        require_advantage=advantage is not None)
             if json_out:
                 emit_json(summary)
-            else:
+            elif not quiet:
                 # click's styling, not rich: importing rich costs a tenth of a short `label` run
                 typer.echo(
                     typer.style("wrote", fg="green") + f" {summary['out']}: {summary['trajectories']} trajectories, "

@@ -385,7 +385,11 @@ def test_critic_killed_mid_epoch_in_one_process_resumes_like_the_uninterrupted_r
 
 
 def test_deepspeed_configs_resolve_every_auto():
-    from qevolve_cli.training import _flatten, load_deepspeed_config, resolve_deepspeed_config
+    from qevolve_cli.training.backends.deepspeed import (
+        _flatten,
+        load_deepspeed_config,
+        resolve_deepspeed_config,
+    )
 
     for path, stage in ((ZERO2, 2), (ZERO3, 3)):
         raw = load_deepspeed_config(path)
@@ -453,7 +457,7 @@ def two_nodes(*args, kill_node1_after: int | None = None, timeout: float = 300) 
     meeting at a c10d rendezvous on 127.0.0.1 (node 0 hosts its store), as two machines would
     (docs/cluster.md). ``kill_node1_after=K``: only node 1's rank SIGKILLs itself after the checkpoint of
     step K (a node lost mid-epoch); node 0's rank then fails on its next collective."""
-    from qevolve_cli.training import _free_port
+    from qevolve_cli.training.backends.deepspeed import _free_port
 
     port = _free_port()
     procs = []

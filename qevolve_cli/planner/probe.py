@@ -42,8 +42,8 @@ def measure(case: dict[str, Any], deepspeed_dir: Path) -> dict[str, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qevolve_cli import training
     from qevolve_cli.training import Hooks, TrainArgs, train_loop
+    from qevolve_cli.training.backends import deepspeed as ds_backend
 
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda"
     gc.collect()
@@ -79,8 +79,8 @@ def measure(case: dict[str, Any], deepspeed_dir: Path) -> dict[str, int]:
     hooks = Hooks(on_epoch_start=lambda e, m: marks.setdefault("init_peak", peak()))
     train_loop(model, lambda e: [[0], [0]], loss_fn, args, hooks=hooks)
     out = {"peak": peak(), "init_peak": marks["init_peak"]}
-    while training._ENGINES:  # free the engine before the next case
-        training._ENGINES.pop().destroy()
+    while ds_backend._ENGINES:  # free the engine before the next case
+        ds_backend._ENGINES.pop().destroy()
     del model
     gc.collect()
     return out

@@ -1,0 +1,47 @@
+"""The backends the loop runs through, chosen by :func:`make_backend`.
+
+* :class:`~qevolve_cli.training.backends.torch.TorchBackend`: one process, CPU or one GPU;
+* :class:`~qevolve_cli.training.backends.torch.AccelerateBackend`: plain DDP (``WORLD_SIZE > 1``, no
+  DeepSpeed config);
+* :class:`~qevolve_cli.training.backends.deepspeed.DeepSpeedBackend`: DeepSpeed ZeRO-0/1/2/3.
+
+Every backend has the same small interface (``prepare``, ``autocast``, ``backward``, ``optimizer_step``,
+``zero_grad``, ``save_state`` / ``load_state``, ``barrier``, ``all_reduce_sum``, ``unwrap``,
+``full_state_dict``); torch, accelerate and DeepSpeed are imported lazily.
+"""
+from __future__ import annotations
+
+import os
+
+from qevolve_cli.device import resolve_device
+from qevolve_cli.training.args import TrainArgs
+from qevolve_cli.training.backends.deepspeed import DeepSpeedBackend
+from qevolve_cli.training.backends.torch import AccelerateBackend, TorchBackend
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    if precision == "auto":
+        return "bf16" if device.startswith("cuda") else "fp32"
+    if precision == "bf16" and device == "cpu":
+        return "bf16"
+    return precision
+
+
+def is_main_process() -> bool:
+    """False on the ranks > 0 of a multi-process launch (they print nothing); True otherwise."""
+    import sys
+
+    dist_mod = sys.modules.get("torch.distributed")
+    if dist_mod is not None and dist_mod.is_available() and dist_mod.is_initialized():
+        return dist_mod.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def make_backend(args: TrainArgs, grad_accum: int = 1):
+    device = resolve_device(args.device)
+    precision = resolve_precision(args.precision, device)
+    if args.deepspeed is not None:
+        return DeepSpeedBackend(args.deepspeed, precision, args.device, grad_accum, args.max_grad_norm)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return AccelerateBackend(precision)
+    return TorchBackend(device, precision)

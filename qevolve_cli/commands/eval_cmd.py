@@ -21,6 +21,7 @@ from qevolve_cli.commands.rollout import (
     ProgressView,
     WorkersOptN,
     resolve_config,
+    resolve_policy,
     sigterm_as_interrupt,
 )
 
@@ -130,12 +131,7 @@ def register(app: typer.Typer) -> None:
                 "candidates": candidates, "shard": shard,
             }, rename={"eval_temperature": "--temperature"})
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}{shard_suffix(cfg.shard)}.parquet")
-            from qevolve_cli.models.hub import resolve_model
-
-            pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
-            adp = resolve_model(adapter, "--adapter")
-            if cfg.backend == "openai" and pol != policy and not adp and not cfg.served_model:
-                cfg = cfg.replace(served_model=policy)  # the server knows the model by its Hub id
+            cfg, pol, adp = resolve_policy(cfg, policy, adapter)
             sigterm_as_interrupt()
             with ProgressView(f"eval {cfg.env}/{cfg.split}", quiet) as view:
                 m = run_eval(cfg, pol, dest, adapter=adp, critic=critic, best_of=best_of, resume=resume,

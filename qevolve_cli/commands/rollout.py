@@ -74,6 +74,20 @@ def resolve_config(config: Path | None, overrides: dict[str, Any], rename: dict[
                         flag_names(overrides, rename=rename))
 
 
+def resolve_policy(cfg, policy: str, adapter: Path | None):
+    """``--policy`` / ``--adapter`` -> local paths (a Hub id through the HF cache), and the config that serves them.
+
+    With ``--backend openai`` ``--policy`` may only name the served model; a Hub id that resolved to a local
+    path stays the served model's name (the server knows it by that id). Returns ``(cfg, policy, adapter)``."""
+    from qevolve_cli.models.hub import resolve_model
+
+    pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
+    adp = resolve_model(adapter, "--adapter")
+    if cfg.backend == "openai" and pol != policy and not adp and not cfg.served_model:
+        cfg = cfg.replace(served_model=policy)
+    return cfg, pol, adp
+
+
 def sigterm_as_interrupt() -> None:
     """SIGTERM ends the run like Ctrl-C: the pool's workers are stopped, the journal kept."""
 
@@ -145,13 +159,7 @@ def register(app: typer.Typer) -> None:
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
                 "shard": shard,
             })
-            from qevolve_cli.models.hub import resolve_model
-
-            # a Hub id is resolved through the HF cache; with --backend openai --policy may only name the served model
-            pol = resolve_model(policy, "--policy", required=cfg.backend != "openai")
-            adp = resolve_model(adapter, "--adapter")
-            if cfg.backend == "openai" and pol != policy and not adp and not cfg.served_model:
-                cfg = cfg.replace(served_model=policy)  # the server knows the model by its Hub id
+            cfg, pol, adp = resolve_policy(cfg, policy, adapter)
             sigterm_as_interrupt()
             try:
                 with ProgressView(f"rollout {cfg.env}/{cfg.split}", quiet) as view:

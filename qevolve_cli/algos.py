@@ -197,6 +197,29 @@ def dpo_loss(logratio_chosen: torch.Tensor, logratio_rejected: torch.Tensor,
     return loss, stats
 
 
+def dpo_nll_loss(logratio_chosen: torch.Tensor, logratio_rejected: torch.Tensor, logp_chosen: torch.Tensor,
+                 mask_chosen: torch.Tensor, beta: float = 0.1,
+                 nll_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO plus an NLL term on the chosen trajectories (RPO, Pang et al. 2024; TRL's ``rpo_alpha``) -> (scalar, stats).
+
+    ``loss = dpo_loss(logratio_chosen, logratio_rejected, beta) + nll_weight * NLL_chosen`` with
+    ``NLL_chosen = -sum_{p,j} m_pj logp_chosen_pj / sum_{p,j} m_pj``: the token-mean negative
+    log-likelihood of the chosen trajectories' action tokens over the batch (TRL's RPO term: the
+    cross-entropy of the chosen half, averaged over its label tokens). ``logp_chosen`` and
+    ``mask_chosen`` are (P, T), aligned with the rows that gave ``logratio_chosen`` (P,). The NLL
+    term keeps the chosen trajectories likely while the preference margin grows (plain DPO can lower
+    both sides' likelihood: docs/compare.md, ETO). Masked positions have no effect (replaced by 0).
+    ``nll_weight = 0`` is :func:`dpo_loss` exactly. Stats: those of :func:`dpo_loss`, ``dpo_loss``
+    and ``nll_chosen``.
+    """
+    loss, stats = dpo_loss(logratio_chosen, logratio_rejected, beta)
+    nll = token_nll(logp_chosen, mask_chosen)
+    stats = {**stats, "dpo_loss": float(loss.detach()), "nll_chosen": float(nll.detach())}
+    if nll_weight:
+        loss = loss + nll_weight * nll
+    return loss, stats
+
+
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Log-prob of each next token. logits (B, T, V), input_ids (B, T) -> (B, T).
 

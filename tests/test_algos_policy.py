@@ -278,3 +278,72 @@ def test_dpo_masked_positions_have_no_effect():
     assert float(loss2.detach()) == pytest.approx(float(loss.detach()), rel=1e-12)
     assert torch.equal(lp2.grad, g)
     assert (lp2.grad[~m_c] == 0).all()
+
+
+# ---- DPO + NLL on the chosen trajectories (RPO; the compare ETO arm)
+
+
+def ref_dpo_nll_loss(lp_c, ref_c, m_c, lp_r, ref_r, m_r, beta, alpha):
+    """Plain loop: ref_dpo_loss + alpha * (-sum of masked chosen logp / number of masked chosen tokens)."""
+    s, n = 0.0, 0
+    for p in range(len(lp_c)):
+        for t in range(len(lp_c[p])):
+            if m_c[p][t]:
+                s += lp_c[p][t]
+                n += 1
+    return ref_dpo_loss(lp_c, ref_c, m_c, lp_r, ref_r, m_r, beta) + alpha * (-s / max(n, 1))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_dpo_nll_loss_matches_reference_loop(seed, alpha):
+    lp_c, _, ref_c, _, m_c, _ = rand_case(seed, B=4, T=9)
+    lp_r, _, ref_r, _, m_r, _ = rand_case(seed + 100, B=4, T=9)
+    rc, rr = algos.sequence_logratio(lp_c, ref_c, m_c), algos.sequence_logratio(lp_r, ref_r, m_r)
+    loss, st = algos.dpo_nll_loss(rc, rr, lp_c, m_c, beta=0.2, nll_weight=alpha)
+    exp = ref_dpo_nll_loss(lp_c.tolist(), ref_c.tolist(), m_c.tolist(), lp_r.tolist(), ref_r.tolist(),
+                           m_r.tolist(), 0.2, alpha)
+    assert float(loss) == pytest.approx(exp, rel=1e-10)
+    plain, _ = algos.dpo_loss(rc, rr, 0.2)
+    assert st["dpo_loss"] == pytest.approx(float(plain), rel=1e-12)
+    if alpha == 0.0:  # alpha 0 is plain DPO exactly
+        assert float(loss) == float(plain)
+
+
+def test_dpo_nll_hand_computed():
+    # the dpo_hand_computed pair: chosen logratio 1, rejected -2, beta 0.5 -> DPO log(1 + e^-1.5);
+    # chosen tokens logp -1 and -0.5 (a masked 0 left out): NLL = 0.75; alpha 2 -> + 1.5
+    lp = torch.tensor([[-1.0, -0.5, 0.0], [-3.0, 5.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-2.0, -0.5, 0.0], [-1.0, -4.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    r = algos.sequence_logratio(lp, ref, mask)
+    loss, st = algos.dpo_nll_loss(r[:1], r[1:], lp[:1], mask[:1], beta=0.5, nll_weight=2.0)
+    assert float(loss.detach()) == pytest.approx(math.log1p(math.exp(-1.5)) + 1.5)
+    assert st["nll_chosen"] == pytest.approx(0.75) and st["dpo_loss"] == pytest.approx(math.log1p(math.exp(-1.5)))
+    loss.backward()
+    # d/d logp_chosen_j = -beta * sigmoid(-z) - alpha / n_tokens = -0.5 s(-1.5) - 1 on each chosen token
+    s = 1.0 / (1.0 + math.exp(1.5))
+    assert lp.grad[0].tolist() == pytest.approx([-0.5 * s - 1.0, -0.5 * s - 1.0, 0.0])
+    assert lp.grad[1].tolist() == pytest.approx([0.5 * s, 0.0, 0.0])  # the NLL term does not touch the rejected
+
+
+def test_dpo_nll_masked_positions_have_no_effect():
+    lp_c, _, ref_c, _, m_c, _ = rand_case(3, B=3, T=6)
+    lp_r, _, ref_r, _, m_r, _ = rand_case(4, B=3, T=6)
+    assert (~m_c).any()
+    lp_c.requires_grad_(True)
+    loss, _ = algos.dpo_nll_loss(algos.sequence_logratio(lp_c, ref_c, m_c), algos.sequence_logratio(lp_r, ref_r, m_r),
+                                 lp_c, m_c, 0.1, 0.7)
+    loss.backward()
+    g = lp_c.grad.clone()
+    lp2 = lp_c.detach().clone()
+    lp2[~m_c] = float("nan")
+    lp2.requires_grad_(True)
+    ref2 = ref_c.clone()
+    ref2[~m_c] = float("-inf")
+    loss2, _ = algos.dpo_nll_loss(algos.sequence_logratio(lp2, ref2, m_c), algos.sequence_logratio(lp_r, ref_r, m_r),
+                                  lp2, m_c, 0.1, 0.7)
+    loss2.backward()
+    assert float(loss2.detach()) == pytest.approx(float(loss.detach()), rel=1e-12)
+    assert torch.equal(lp2.grad, g)
+    assert (lp2.grad[~m_c] == 0).all()

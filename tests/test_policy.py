@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import polars as pl
 import pytest
@@ -126,7 +127,6 @@ def test_rft_clones_experts_and_successful_self_trajectories_only(baseline_table
 
 
 def test_dpo_raises_chosen_relative_to_rejected(baseline_table, tiny_model_dir, tmp_path):
-    import math
 
     from qevolve_cli.policy import PolicyConfig, train_policy
 
@@ -147,6 +147,27 @@ def test_dpo_raises_chosen_relative_to_rejected(baseline_table, tiny_model_dir, 
     assert rel_gain > 5, (before, after)
     assert m["dpo_chosen_logp_delta"] - m["dpo_rejected_logp_delta"] > 5
     assert m["dpo_margin_after"] > m["dpo_margin_before"] and m["dpo_accuracy_after"] == 1.0
+
+
+def test_dpo_nll_weight_keeps_the_chosen_trajectories_likely(baseline_table, tiny_model_dir, tmp_path):
+    """RPO's NLL term (dpo_nll_weight): the chosen (expert) trajectories gain log-prob where plain DPO's
+    gain less; the per-step log has both terms and their sum is the loss."""
+    from qevolve_cli.errors import ConfigError
+    from qevolve_cli.policy import PolicyConfig, train_policy
+
+    cfg = PolicyConfig(objective="dpo", lr=2e-3, epochs=2, micro_batch_size=2, warmup_ratio=0.0, seed=0)
+    plain = train_policy(cfg, baseline_table, tiny_model_dir, tmp_path / "dpo", quiet=True)
+    rpo = train_policy(cfg.replace(dpo_nll_weight=1.0), baseline_table, tiny_model_dir, tmp_path / "rpo",
+                       quiet=True)
+    assert rpo["dpo_chosen_logp_delta"] > plain["dpo_chosen_logp_delta"] + 1.0, (plain, rpo)
+    assert rpo["dpo_chosen_logp_delta"] > 0
+    lines = [json.loads(x) for x in (tmp_path / "rpo" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["loss"] == pytest.approx(lines[0]["dpo_loss"] + lines[0]["nll_chosen"], rel=1e-5)
+    assert lines[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    with pytest.raises(ConfigError, match="dpo_nll_weight.*only used by objective dpo"):
+        PolicyConfig(objective="bppo").replace(dpo_nll_weight=0.5)
+    with pytest.raises(ConfigError, match="dpo_nll_weight.*>= 0"):
+        PolicyConfig(objective="dpo").replace(dpo_nll_weight=-1.0)
 
 
 def test_cli_stacks_several_data_tables_and_rejects_duplicates(tiny_model_dir, tmp_path):

@@ -33,6 +33,7 @@ from qevolve_cli.errors import ConfigError, QevolveError
 
 ARMS = ("sft", "rft", "eto", "best_of_n", "qevolve")
 ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
+ETO_NLL_WEIGHT = 1.0  # RPO (Pang et al. 2024) and TRL's rpo_alpha recommendation: DPO + 1.0 x NLL(chosen)
 ARM_NAMES = {"sft": "SFT", "rft": "RFT", "eto": "ETO", "best_of_n": "Best-of-N", "qevolve": "Q-Evolve"}
 
 
@@ -47,7 +48,8 @@ class CompareConfig(ConfigBase):
                                                            "bc stage config).")
     eto: dict[str, Any] = field(default_factory=dict, help="PolicyConfig overrides of the ETO arm (over ETO's recipe "
                                                            "scaled to the run: dpo, beta 0.1, lr = SFT lr / 20, 3 "
-                                                           "epochs, warm-up 0.1, constant).")
+                                                           "epochs, warm-up 0.1, constant, plus RPO's NLL term on "
+                                                           "the chosen trajectories, dpo_nll_weight 1.0).")
     qevolve_iteration: int = field(0, help="Iteration that is the Q-Evolve row (0 = the last one with a policy).",
                                    ge=0)
 
@@ -67,12 +69,13 @@ class CompareConfig(ConfigBase):
     def eto_config(self, ecfg):
         """ETO's recipe (run_eto.sh, iteration 1) scaled to the run: beta 0.1, 3 epochs, warm-up 0.1 then a
         constant lr of the run's SFT lr x (1e-6 / 2e-5) (ETO's DPO lr over its SFT lr); batching and
-        lengths of the run's iteration-1 policy stage. (Q-Evolve's own policy lr collapsed ETO: docs/compare.md.)"""
+        lengths of the run's iteration-1 policy stage; plus RPO's NLL term on the chosen trajectories
+        (``dpo_nll_weight`` 1.0): plain DPO collapsed ETO to 0 on lamps (docs/compare.md)."""
         from qevolve_cli.policy.config import PolicyConfig
 
         bc = ecfg.stage("bc", 0)
         d = {**ecfg.stage("policy", 1).to_dict(), "objective": "dpo", "dpo_beta": 0.1, "lr": bc.lr * ETO_LR_RATIO,
-             "epochs": 3, "warmup_ratio": 0.1, "lr_scheduler": "constant", **self.eto}
+             "epochs": 3, "warmup_ratio": 0.1, "lr_scheduler": "constant", "dpo_nll_weight": ETO_NLL_WEIGHT, **self.eto}
         return PolicyConfig.from_dict(d, source="compare config: eto")
 
 

@@ -68,6 +68,10 @@ class PolicyConfig(ConfigBase):
     rft_min_reward: float = field(1.0, help="rft: a self trajectory is successful (trained on) when its final "
                                             "reward (sum of reward_env) is >= this.", ge=0)
     dpo_beta: float = field(0.1, help="dpo: beta of the DPO loss (ETO's value in its first iteration: 0.1).", gt=0)
+    dpo_nll_weight: float = field(0.0, help="dpo: weight alpha of an NLL term on the chosen trajectories, loss = DPO "
+                                            "+ alpha * token-mean NLL(chosen) (RPO; TRL's rpo_alpha); 0 = plain DPO. "
+                                            "Keeps the chosen trajectories likely (docs/compare.md, ETO).", ge=0,
+                                  le=100)
     dpo_pairs: str = field("expert", help="dpo: anchor of each task's pairs: expert (ETO: the expert trajectory; "
                                          "tasks without one give no pair) or expert_or_best (else the task's "
                                          "highest-reward self trajectory).", choices=("expert", "expert_or_best"))
@@ -92,6 +96,9 @@ class PolicyConfig(ConfigBase):
     def validate(self, source: Any = None, prefix: str = "") -> None:
         if self.eps_low >= 1.0 and self.objective == "bppo":
             raise ConfigError(source, prefix + "eps_low", "must be < 1 (the ratio lower bound 1 - eps_low > 0)")
+        if self.dpo_nll_weight and self.objective != "dpo":
+            raise ConfigError(source, prefix + "dpo_nll_weight", f"only used by objective dpo (objective is "
+                                                                 f"{self.objective}); set it to 0")
         if self.micro_batch_tokens < 16:
             raise ConfigError(source, prefix + "micro_batch_tokens", "must be >= 16")
 

@@ -264,7 +264,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
     """
     import torch
 
-    from qevolve_cli.algos import awr_loss, bppo_loss, dpo_loss, sequence_logratio, token_nll
+    from qevolve_cli.algos import awr_loss, bppo_loss, dpo_nll_loss, sequence_logratio, token_nll
     from qevolve_cli.atomic import atomic_dir, write_json
     from qevolve_cli.config import dump_yaml
     from qevolve_cli.training import (
@@ -365,9 +365,10 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         batch = collate([examples[i] for i in idx], pad_id, cfg.thought_weight, None,
                         [state["ref"][i] for i in idx])
         lp = batch_logprobs(m, batch, ctx["device"]).float()
-        ratio = sequence_logratio(lp, batch["logp_ref"].to(lp.device), batch["mask"].to(lp.device))
+        mask = batch["mask"].to(lp.device)
+        ratio = sequence_logratio(lp, batch["logp_ref"].to(lp.device), mask)
         n = len(pidx)
-        return dpo_loss(ratio[:n], ratio[n:], cfg.dpo_beta)
+        return dpo_nll_loss(ratio[:n], ratio[n:], lp[:n], mask[:n], cfg.dpo_beta, cfg.dpo_nll_weight)
 
     def loss_fn(m, idx: list[int], ctx: dict):
         if cfg.objective == "dpo":

@@ -14,6 +14,9 @@ SHARED_DATA = Path(os.environ.get("QEVOLVE_SHARED_DATA", ROOT.parent / "shared" 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# precision auto = bf16 on CPUs with avx512_bf16/AMX (qevolve_cli/precision.py): the suite's figures must not
+# depend on the machine, so auto means fp32 here; tests of the bf16 path ask for it explicitly
+os.environ.setdefault("QEVOLVE_PRECISION", "fp32")
 
 
 def pytest_configure(config) -> None:

@@ -36,6 +36,8 @@ ShardOpt = Annotated[str | None, typer.Option("--shard", help="Only shard I of N
                                               "pairs for rollout and eval), to split one run across nodes.")]
 # training commands (critic, policy): overrides of the stage config
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE (repeatable).")]
+PrecisionOpt = Annotated[str | None, typer.Option("--precision", help="fp32 or bf16 (default auto: bf16 on GPU and on "
+                                               "CPUs with avx512_bf16/AMX, else fp32; docs/performance.md).")]
 EpochsOpt = Annotated[int | None, typer.Option("--epochs", help="Override epochs.")]
 LrOpt = Annotated[float | None, typer.Option("--lr", help="Override the learning rate.")]
 
@@ -84,6 +86,14 @@ def check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
     if value not in choices:
         raise QevolveError(f"{option}: unknown value {value!r} (choose from {', '.join(choices)})")
     return value
+
+
+def precision_dtype(precision: str | None) -> str | None:
+    """``--precision`` -> the ``dtype`` field of rollout/eval/critic configs (None: not given, auto: the rule)."""
+    if precision is None:
+        return None
+    check_choice(precision, ("auto", "fp32", "bf16"), "--precision")
+    return {"auto": "auto", "fp32": "float32", "bf16": "bfloat16"}[precision]
 
 
 def parse_sets(sets: list[str] | None) -> dict[str, Any]:

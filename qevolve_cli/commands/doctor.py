@@ -76,12 +76,29 @@ def environment() -> dict[str, Any]:
             free, total = torch.cuda.mem_get_info(i)
             info["cuda"]["devices"].append({"index": i, "name": p.name, "memory_gib": round(total / 2**30, 1),
                                             "free_gib": round(free / 2**30, 1), "capability": f"{p.major}.{p.minor}"})
+    info["precision"] = precision_report(info["cuda"]["available"])
     backends = {"hf": "ok"}
     backends["vllm"] = "ok" if importlib.util.find_spec("vllm") is not None else (
         "not installed (GPU node: pip install vllm; CPU: make vllm-venv)")
     backends["openai"] = "ok" if importlib.util.find_spec("httpx") is not None else "httpx not installed"
     info["backends"] = backends
     return info
+
+
+def precision_report(cuda: bool) -> dict[str, Any]:
+    """Which precision ``auto`` picks here, and why (qevolve_cli/precision.py; docs/performance.md)."""
+    from qevolve_cli import precision as P
+
+    flag = P.cpu_bf16_flag(P.cpu_flags())
+    cpu = P.resolve("auto", "cpu")
+    out: dict[str, Any] = {"cpu_bf16_flag": flag, "cpu": {"precision": cpu.name, "reason": cpu.reason}}
+    if cuda:
+        g = P.resolve("auto", "cuda")
+        out["cuda"] = {"precision": g.name, "reason": g.reason}
+    out["meaning"] = ("bf16: bf16 weights for rollout/eval and the critic's frozen backbone, bf16 autocast over "
+                      "fp32 master weights for policy training; force fp32 with QEVOLVE_PRECISION=fp32, "
+                      "`--set precision=fp32` (policy, evolve) or `--set dtype=float32` (rollout, eval, critic)")
+    return out
 
 
 # --------------------------------------------------------------------------- smoke checks
@@ -335,6 +352,12 @@ def _print_env(info: dict[str, Any]) -> None:
     if info.get("memory_gib"):
         t.add_row("cpu", f"{info['cpus']} cores, {info['memory_gib']['total']} GiB RAM "
                          f"({info['memory_gib']['available']} available)")
+    pr = info.get("precision")
+    if pr:
+        for where in ("cuda", "cpu"):
+            if where in pr:
+                t.add_row(f"precision ({where})", f"{pr[where]['precision']} ({pr[where]['reason']})")
+        t.add_row("", pr["meaning"])
     for b, s in info["backends"].items():
         t.add_row(f"backend {b}", s if s != "ok" else "[green]ok[/green]")
     Console().print(t)

@@ -6,7 +6,17 @@ from typing import Annotated, Any
 
 import typer
 
-from qevolve_cli.commands.common import ConfigOpt, EnvOpt, JsonOpt, QuietOpt, ShardOpt, emit_json, run_command
+from qevolve_cli.commands.common import (
+    ConfigOpt,
+    EnvOpt,
+    JsonOpt,
+    PrecisionOpt,
+    QuietOpt,
+    ShardOpt,
+    emit_json,
+    precision_dtype,
+    run_command,
+)
 from qevolve_cli.commands.rollout import (
     AdapterOpt,
     BackendOpt,
@@ -113,6 +123,7 @@ def register(app: typer.Typer) -> None:
         max_new_tokens: MaxNewTokensOpt = None,
         max_steps: MaxStepsOpt = None,
         iteration: IterationOpt = None,
+        precision: PrecisionOpt = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted evaluation.")] = False,
         shard: ShardOpt = None,
         config: ConfigOpt = None,
@@ -128,8 +139,8 @@ def register(app: typer.Typer) -> None:
                 ("temperature" if best_of > 1 else "eval_temperature"): temperature,
                 "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
                 "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
-                "candidates": candidates, "shard": shard,
-            }, rename={"eval_temperature": "--temperature"})
+                "candidates": candidates, "shard": shard, "dtype": precision_dtype(precision),
+            }, rename={"eval_temperature": "--temperature", "dtype": "--precision"})
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}{shard_suffix(cfg.shard)}.parquet")
             cfg, pol, adp = resolve_policy(cfg, policy, adapter)
             sigterm_as_interrupt()

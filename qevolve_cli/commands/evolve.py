@@ -9,6 +9,7 @@ import typer
 from qevolve_cli.commands.common import (
     ConfigOpt,
     JsonOpt,
+    PrecisionOpt,
     QuietOpt,
     emit_json,
     flag_names,
@@ -48,6 +49,7 @@ def register(app: typer.Typer) -> None:
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run (a finished run is a no-op).")] = False,
         config: ConfigOpt = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Seed of every stage.")] = None,
+        precision: PrecisionOpt = None,
         log_to: Annotated[str | None, typer.Option("--log-to", help="Also log metrics to: tensorboard, wandb (comma list).")] = None,
         quiet: QuietOpt = False,
         json_out: JsonOpt = False,
@@ -58,7 +60,7 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.evolve.report import print_table
 
             overrides = {"iters": iters, "model": model, "start_policy": policy, "expert_data": expert, "seed": seed,
-                         "log_to": log_to.split(",") if log_to else None}
+                         "precision": precision, "log_to": log_to.split(",") if log_to else None}
             if model:  # an explicit model replaces the preset's tiny model
                 overrides["init_model"] = None
             from qevolve_cli.models.hub import resolve_model

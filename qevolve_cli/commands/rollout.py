@@ -12,11 +12,13 @@ from qevolve_cli.commands.common import (
     EnvOpt,
     JsonOpt,
     OutOpt,
+    PrecisionOpt,
     QuietOpt,
     ShardOpt,
     emit_json,
     flag_names,
     naming_flags,
+    precision_dtype,
     progress,
     run_command,
     stderr_console,
@@ -143,6 +145,7 @@ def register(app: typer.Typer) -> None:
         max_new_tokens: MaxNewTokensOpt = None,
         max_steps: MaxStepsOpt = None,
         max_context: Annotated[int | None, typer.Option("--max-context", help="Context length in tokens (0 = model max).")] = None,
+        precision: PrecisionOpt = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted rollout from OUT.journal.jsonl.")] = False,
         shard: ShardOpt = None,
         config: ConfigOpt = None,
@@ -157,8 +160,8 @@ def register(app: typer.Typer) -> None:
                 "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes,
                 "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
-                "shard": shard,
-            })
+                "shard": shard, "dtype": precision_dtype(precision),
+            }, rename={"dtype": "--precision"})
             cfg, pol, adp = resolve_policy(cfg, policy, adapter)
             sigterm_as_interrupt()
             try:

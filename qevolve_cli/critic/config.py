@@ -65,7 +65,7 @@ class CriticConfig(ConfigBase):
     max_length: int | None = field(None, help="Longest tokenised trajectory (null: the tokenizer's maximum); longer steps are skipped.", gt=0)
     # hardware
     device: str = field("auto", help="auto (cuda if available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
-    dtype: str = field("auto", help="Backbone dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.",
+    dtype: str = field("auto", help="Frozen backbone dtype: auto (bfloat16 on GPU and on CPUs with avx512_bf16/AMX, else float32; docs/performance.md), float32, bfloat16.",
                        choices=("auto", "float32", "bfloat16"))
     gradient_checkpointing: bool = field(False, help="Recompute backbone activations in the backward pass (long sequences on GPU).")
     # held-out diagnostics and convergence (docs/critic.md "Diagnostics")

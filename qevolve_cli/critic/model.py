@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qevolve_cli import precision as precision_rule
 from qevolve_cli.algos import ema_update_
 from qevolve_cli.device import resolve_device
 from qevolve_cli.errors import QevolveError
@@ -53,9 +54,9 @@ def pool_last_token(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tens
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    """The frozen backbone's dtype: auto = bf16 on CUDA and on CPUs with native bf16 (qevolve_cli/precision.py);
+    the adapters and heads stay fp32 either way."""
+    return precision_rule.resolve_dtype(name, device.type)
 
 
 def _load_base(model_dir: str | Path, dtype: torch.dtype, device: torch.device):

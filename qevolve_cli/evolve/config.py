@@ -20,6 +20,7 @@ from typing import Any
 from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
 from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import ConfigError
+from qevolve_cli.precision import DTYPE_OF
 
 SCALES = ("paper", "smoke", "cpu", "cpu-smol")
 STAGE_SECTIONS = ("bc", "rollout", "label", "critic", "policy")
@@ -32,6 +33,8 @@ class EvolveConfig(ConfigBase):
                         "(cpu with the pretrained SmolLM2-135M-Instruct and LoRA).",
                         choices=SCALES)
     iters: int = field(2, help="Evolving iterations K (paper: 2 for SciWorld/ALFWorld, 3 for WebShop).", ge=0)
+    precision: str = field("auto", help="fp32 or bf16 for every stage (sets bc/policy precision and rollout/critic "
+                           "dtype); auto: each stage's own field (docs/performance.md).", choices=("auto", "fp32", "bf16"))
     seed: int = field(0, help="Seed of every stage (rollout sampling, training order, initialisation).")
     model: str | None = field(None, help="Base model directory (HF checkpoint): backbone of the critic and "
                                          "initial policy of BC.")
@@ -101,6 +104,11 @@ class EvolveConfig(ConfigBase):
     def stage(self, name: str, iteration: int = 1):
         """The validated stage config of ``name`` for ``iteration``."""
         d = self.section(name, iteration)
+        if self.precision != "auto":  # one switch for every stage
+            if name in ("bc", "policy"):
+                d["precision"] = self.precision
+            elif name in ("rollout", "critic"):
+                d["dtype"] = DTYPE_OF[self.precision]
         if name == "bc":
             from qevolve_cli.policy.config import PolicyConfig
 

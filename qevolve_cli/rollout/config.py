@@ -40,7 +40,7 @@ class RolloutConfig(ConfigBase):
     served_model: str = field("", help="Model name sent to the OpenAI-compatible server (default: the policy path, "
                               "or the adapter directory's name with --adapter).")
     device: str = field("auto", help="Device of the hf backend (auto, cpu, cuda, cuda:N).")
-    dtype: str = field("auto", help="Model dtype (auto = bfloat16 on GPU, float32 on CPU).",
+    dtype: str = field("auto", help="Model dtype (auto = bfloat16 on GPU and on CPUs with avx512_bf16/AMX, else float32; docs/performance.md).",
                        choices=("auto", "float32", "bfloat16", "float16"))
     threads: int = field(0, help="CPU threads of the hf backend (0 = half the cores; more threads than free cores "
                          "slow generation down sharply).", ge=0)

@@ -27,8 +27,9 @@ What the loop does:
   the items were split ("dynamic" token-budget batching, see
   :func:`token_budget_batches`);
 * gradient-norm clipping (``max_grad_norm``; 0 = off);
-* precision: fp32 on CPU; bf16 autocast (fp32 master weights) on CUDA unless
-  ``precision`` says otherwise;
+* precision: bf16 autocast (fp32 master weights) on CUDA and on CPUs with
+  native bf16 (``avx512_bf16`` / AMX), fp32 elsewhere, unless ``precision``
+  says otherwise (:mod:`qevolve_cli.precision`);
 * seeding of python / numpy / torch, deterministic per-epoch batch order
   (the caller derives shuffling from ``seed + epoch``);
 * metrics: one JSON line per optimiser step appended to ``args.log_path``

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.precision import resolve_dtype
 from qevolve_cli.rollout.backends.base import (
     Backend,
     Request,
@@ -219,10 +220,9 @@ class HFBackend(Backend):
             # intra-op threads: spinning threads fight the env workers for the cores (20x slower
             # generation measured on 2 busy cores with 2 threads vs 1); auto = half the cores
             torch.set_num_threads(threads if threads > 0 else max(1, (os.cpu_count() or 2) // 2))
-        if dtype == "auto":
-            tdtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        # auto: bf16 weights on CUDA and on CPUs with native bf16, fp32 elsewhere (qevolve_cli/precision.py)
+        tdtype = resolve_dtype(dtype, self.device.type)
+        self.dtype = str(tdtype).removeprefix("torch.")
         self.tokenizer = load_tokenizer(policy, adapter=adapter, require_chat_template=True)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.precision import resolve as resolve_precision
 from qevolve_cli.rollout.backends.base import (
     Backend,
     Request,
@@ -120,8 +121,8 @@ class VLLMBackend(Backend):
         self.tokenizer = load_tokenizer(policy, adapter=adapter, require_chat_template=True)
         if not on_gpu:
             _check_cpu_head_size(policy)
-        if dtype == "auto":  # like the hf backend: float32 on CPU (greedy output equal to hf), bf16 on GPU
-            dtype = "auto" if on_gpu else "float32"
+        if dtype == "auto":  # like the hf backend: the model's own on GPU, on CPU the rule of qevolve_cli/precision.py
+            dtype = "auto" if on_gpu else resolve_precision("auto", "cpu").dtype
         # automatic prefix caching: an episode's next prompt extends its previous one, so its KV blocks are
         # found again instead of recomputed (the engine arg of vLLM >= 0.4; vLLM turns it off itself where a
         # platform or model does not support it). Not measured here: see docs/performance.md.

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import os
 
+from qevolve_cli import precision as precision_rule
 from qevolve_cli.device import resolve_device
 from qevolve_cli.training.args import TrainArgs
 from qevolve_cli.training.backends.deepspeed import DeepSpeedBackend
 from qevolve_cli.training.backends.torch import AccelerateBackend, TorchBackend
 
 
-def resolve_precision(precision: str, device: str) -> str:
-    if precision == "auto":
-        return "bf16" if device.startswith("cuda") else "fp32"
-    if precision == "bf16" and device == "cpu":
-        return "bf16"
-    return precision
+def resolve_precision(precision: str, device: str, deepspeed: bool = False) -> str:
+    """``auto`` | ``fp32`` | ``bf16`` -> ``fp32`` or ``bf16`` (the rule: :mod:`qevolve_cli.precision`; bf16 here
+    is autocast over fp32 master weights). DeepSpeed's CPU accelerator stays fp32 under ``auto``: its bf16
+    engine would keep the model in 16 bits, and the CPU runs are launch tests, not speed runs."""
+    if precision == "auto" and deepspeed and not device.startswith("cuda") and not os.environ.get(precision_rule.ENV_VAR):
+        return "fp32"
+    return precision_rule.resolve(precision, device).name
 
 
 def is_main_process() -> bool:
@@ -39,7 +41,7 @@ def is_main_process() -> bool:
 
 def make_backend(args: TrainArgs, grad_accum: int = 1):
     device = resolve_device(args.device)
-    precision = resolve_precision(args.precision, device)
+    precision = resolve_precision(args.precision, device, deepspeed=args.deepspeed is not None)
     if args.deepspeed is not None:
         return DeepSpeedBackend(args.deepspeed, precision, args.device, grad_accum, args.max_grad_norm)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

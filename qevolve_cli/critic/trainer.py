@@ -22,6 +22,12 @@ Read top to bottom:
 
 Each update runs exactly two forwards of the backbone per batch row (one per
 adapter), whatever the number of steps in the row.
+
+This is a loop of its own, not :func:`qevolve_cli.training.train_loop`: two
+optimisers updated in turn, each with its own warm-up and schedule, one engine
+per branch under DeepSpeed, no gradient accumulation (docs/architecture.md,
+"The training loop and the critic"). It shares the LR schedule, the checkpoint
+layout and commit and the DeepSpeed start-up with the policy's loop.
 """
 from __future__ import annotations
 

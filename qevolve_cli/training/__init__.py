@@ -1,73 +1,54 @@
-"""The shared training loop of the policy and the critic (one loop, losses passed in).
+"""Training: the loop of the policy stage and what every trainer shares below a loop.
 
-Usage (sketch)::
+The modules, bottom to top (the package re-exports every public name, so
+``from qevolve_cli.training import train_loop`` is the import to use):
 
-    from qevolve_cli.training import TrainArgs, train_loop, token_budget_batches
+* ``args.py``: :class:`TrainArgs` (the loop's arguments; ``policy/config.py`` maps its fields onto
+  them), :class:`Hooks`, :class:`TrainResult`;
+* ``batching.py``: :func:`token_budget_batches` (items -> micro-batches under a padded-token budget)
+  and :func:`group_steps` (micro-batches -> optimiser steps);
+* ``backends/``: :class:`TorchBackend` (one process, CPU or one GPU), :class:`AccelerateBackend`
+  (plain DDP), :class:`DeepSpeedBackend` (ZeRO-0/1/2/3), chosen by :func:`make_backend`; torch,
+  accelerate and DeepSpeed are imported lazily;
+* ``checkpoints.py``: write, commit (atomically), check and load a checkpoint (the policy's and the
+  critic's);
+* ``loop.py``: :func:`train_loop`, the schedule (:func:`lr_lambda`) and seeding.
 
-    def make_batches(epoch):                  # -> list of optimiser steps, each a list of micro-batches
+Usage (the policy trainer, ``policy/trainer.py``, is the full example)::
+
+    from qevolve_cli.training import TrainArgs, group_steps, token_budget_batches, train_loop
+
+    def make_steps(epoch):                    # -> the epoch's optimiser steps, each a list of micro-batches
         mbs = token_budget_batches(lengths, max_tokens=4096, max_seqs=8, seed=args.seed + epoch)
         return group_steps(mbs, grad_accum=4)
 
     def loss_fn(model, micro, ctx):           # -> (mean loss of the micro-batch, {metric: float})
         ...
 
-    result = train_loop(model, make_batches, loss_fn, args,
-                        micro_weight=lambda micro: n_loss_tokens(micro))
+    result = train_loop(model, make_steps, loss_fn, args, micro_weight=lambda micro: n_loss_tokens(micro))
 
-What the loop does:
+Who uses what. ``train_loop`` runs the policy stage (bc, bppo, awr, rft, dpo) and the memory probe of
+``qevolve plan`` (``planner/probe.py``). The critic (``critic/trainer.py``) has its own loop and uses the
+pieces below it: :func:`lr_lambda`, the checkpoint functions (same layout and commit, its pointer is
+``progress.json``) and :class:`DeepSpeedBackend` for config resolution and engine start-up only. It
+differs because its update is not one optimiser step over all trainable parameters:
 
-* AdamW over the parameters with ``requires_grad`` (LoRA adapters, heads or
-  the full model), weight decay ``args.weight_decay``;
-* cosine schedule with linear warm-up over ``warmup_ratio`` of all optimiser
-  steps (``lr_scheduler="constant"`` also available);
-* gradient accumulation: an optimiser step is a list of micro-batches; each
-  micro-batch loss (a *mean* over its own items) is scaled by
-  ``micro_weight(micro) / sum(micro_weight over the step)``, so the step's
-  gradient equals the gradient of the mean over all items of the step however
-  the items were split ("dynamic" token-budget batching, see
-  :func:`token_budget_batches`);
-* gradient-norm clipping (``max_grad_norm``; 0 = off);
-* precision: bf16 autocast (fp32 master weights) on CUDA and on CPUs with
-  native bf16 (``avx512_bf16`` / AMX), fp32 elsewhere, unless ``precision``
-  says otherwise (:mod:`qevolve_cli.precision`);
-* seeding of python / numpy / torch, deterministic per-epoch batch order
-  (the caller derives shuffling from ``seed + epoch``);
-* metrics: one JSON line per optimiser step appended to ``args.log_path``
-  (``{"epoch", "step", "lr", "loss", "grad_norm", "tokens", ...loss metrics}``),
-  a rich progress bar on stderr;
-* checkpoint / resume in ``args.ckpt_dir`` at epoch boundaries and, with
-  ``checkpoint_every_steps`` N > 0, after every N-th optimiser step: trainable
-  parameters (safetensors; under DeepSpeed the engine's own checkpoint),
-  optimiser, scheduler, RNG states, the step counter and the caller's
-  ``extra_state`` tensors. A run that is interrupted and started again with the
-  same arguments continues at the next optimiser step: the epoch's batch order
-  is rebuilt by ``make_steps(epoch)`` and the steps already done are skipped;
-  the metrics log is cut back to the checkpoint's step. Each checkpoint goes
-  into its own ``step########/`` directory and is committed by replacing
-  ``meta.json`` atomically (the previous one is removed only then), see
-  :func:`write_checkpoint`.
-* ``hooks.on_step(step, model)`` after every optimiser step (the policy
-  refreshes pi_old there).
+* two AdamW optimisers over disjoint parameters (the Q branch: Q adapter and heads q1, q2; the V branch:
+  value adapter and head v), each with two LR groups (adapter ``lr``, heads ``head_lr``);
+* one update per batch, Q on odd batches and V on even ones (``schedule: alternate``; ``both``: Q then
+  V), so each optimiser has its own warm-up and cosine schedule counted in its own updates;
+  ``train_loop`` steps one optimiser and one scheduler over every trainable parameter, and AdamW would
+  move the idle branch from its moments even with zero gradients;
+* under DeepSpeed one engine per branch, ZeRO-0/1/2 and fp32 only (ZeRO-3 partitions the parameters
+  inside one engine, whose optimiser steps every group on every step: it is refused,
+  ``critic.trainer.deepspeed_backend``);
+* no gradient accumulation or token budget: a batch is ``batch_size`` trajectories with
+  ``steps_per_traj`` steps drawn from an RNG that is part of the resumable epoch state; the EMA target
+  follows every ``ema_every`` updates; held-out evaluation, early stopping and restoring the best epoch
+  happen at epoch ends, and metrics are per epoch.
 
-Distributed / DeepSpeed ZeRO-2/3: ``args.deepspeed`` names a JSON config
-(``configs/deepspeed/zero2.json`` / ``zero3.json``). The loop then runs through a
-:class:`DeepSpeedBackend` (one ``deepspeed.initialize`` engine, DeepSpeed
-imported lazily; on CPU its CPU accelerator with gloo). Launch with
-``torchrun --standalone --nproc_per_node N -m qevolve_cli ...`` (or ``deepspeed`` /
-``accelerate launch``); without a launcher a one-rank group is created. Every
-``"auto"`` of the config is resolved here (:func:`resolve_deepspeed_config`).
-The micro-batches of each optimiser step are dealt round-robin to the ranks
-(every rank runs the same number of backward passes; a missing one is
-micro-batch 0 with weight 0) and each rank's loss is scaled by
-``world_size * w / (sum of w over the whole step)``, so the gradient averaged
-over ranks is exactly the step's weighted mean: fp32 runs equal the
-single-process run up to rounding. Logged losses/tokens are summed over ranks
-and written by rank 0. Checkpoints under DeepSpeed are the engine's own
-(``engine.save_checkpoint``: every rank writes its ZeRO partition of the
-optimiser state, ZeRO-3 its parameter shards too) in the same committed layout;
-they resume with the same number of ranks and ZeRO stage only. With ``WORLD_SIZE > 1`` and no DeepSpeed config the
-loop runs plain DDP through :class:`AccelerateBackend`; otherwise
-:class:`TorchBackend`.
+Folding these into ``train_loop`` would put a second loop inside it; the critic's stays in
+:class:`qevolve_cli.critic.trainer.CriticTrainer`.
 """
 from __future__ import annotations
 

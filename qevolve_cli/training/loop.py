@@ -1,4 +1,41 @@
-"""The training loop (:func:`train_loop`): one loop, the loss passed in; the package docstring says what it does."""
+"""The training loop (:func:`train_loop`): one loop, the loss passed in.
+
+What it does:
+
+* AdamW over the parameters with ``requires_grad`` (LoRA adapters or the full model), weight decay
+  ``args.weight_decay``, betas ``args.betas``;
+* the LR schedule :func:`lr_lambda`: linear warm-up over ``ceil(warmup_ratio * total)`` optimiser
+  steps, then cosine (or ``linear`` / ``constant``) down to ``min_lr_ratio``;
+* gradient accumulation: an optimiser step is a list of micro-batches; each micro-batch loss (a
+  *mean* over its own items) is scaled by ``micro_weight(micro) / sum(micro_weight over the step)``,
+  so the step's gradient is the gradient of the weighted mean over the whole step however the items
+  were split (token-budget batching, :func:`qevolve_cli.training.batching.token_budget_batches`);
+* gradient-norm clipping (``max_grad_norm``; 0 = off);
+* precision: bf16 autocast (fp32 master weights) on CUDA and on CPUs with native bf16
+  (``avx512_bf16`` / AMX), fp32 elsewhere, unless ``precision`` says otherwise
+  (:mod:`qevolve_cli.precision`; DeepSpeed on CPU stays fp32 under ``auto``,
+  :func:`qevolve_cli.training.backends.resolve_precision`);
+* seeding of python / numpy / torch; ``make_steps(epoch)`` must be deterministic in ``epoch``
+  (the caller shuffles with ``seed + epoch``) so that a resumed run sees the same order;
+* metrics: one JSON line per optimiser step appended to ``args.log_path`` (``epoch``, ``step``,
+  ``lr``, ``loss``, ``grad_norm``, ``tokens`` and the loss's own metrics), a progress bar on stderr;
+* checkpoints in ``args.ckpt_dir`` at the end of every epoch but the last and, with
+  ``checkpoint_every_steps`` N > 0, after every N-th optimiser step (never after the very last
+  one: the caller writes its output right away); layout and commit in
+  :mod:`qevolve_cli.training.checkpoints`. Started again with the same arguments (the same
+  ``fingerprint``), the loop continues at the next optimiser step: the epoch's batch order is rebuilt
+  and the steps already done are skipped, and the metrics log is cut back to the checkpoint's step.
+  A checkpoint of another fingerprint or backend is refused with one line;
+* hooks: ``on_epoch_start(epoch, model)``, ``on_step(step, model)`` after every optimiser step (the
+  policy refreshes pi_old there), ``extra_state()`` / ``load_extra_state(tensors)`` for the caller's
+  tensors in the checkpoint (pi_old / pi_ref log-probs).
+
+Distributed (``backends/``): the micro-batches of each optimiser step are dealt round-robin to the
+ranks (every rank runs the same number of backward passes; a missing one is micro-batch 0 with weight
+0) and each rank's loss is scaled by ``world_size * w / (sum of w over the whole step)``, so the
+gradient averaged over ranks is exactly the step's weighted mean: fp32 runs equal the one-process run
+up to rounding. Logged losses and tokens are summed over ranks and written by rank 0.
+"""
 from __future__ import annotations
 
 import json

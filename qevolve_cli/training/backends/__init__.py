@@ -1,9 +1,14 @@
-"""The backends the loop runs through, chosen by :func:`make_backend`.
+"""The backends the loop runs through, chosen by :func:`make_backend` from :class:`TrainArgs`.
 
-* :class:`~qevolve_cli.training.backends.torch.TorchBackend`: one process, CPU or one GPU;
-* :class:`~qevolve_cli.training.backends.torch.AccelerateBackend`: plain DDP (``WORLD_SIZE > 1``, no
-  DeepSpeed config);
-* :class:`~qevolve_cli.training.backends.deepspeed.DeepSpeedBackend`: DeepSpeed ZeRO-0/1/2/3.
+* ``args.deepspeed`` set (a JSON config, ``configs/deepspeed/zero2.json`` / ``zero3.json``):
+  :class:`~qevolve_cli.training.backends.deepspeed.DeepSpeedBackend`, one ``deepspeed.initialize``
+  engine (on CPU DeepSpeed's CPU accelerator with gloo). Launch with ``torchrun --nproc_per_node N -m
+  qevolve_cli ...`` (or ``deepspeed`` / ``accelerate launch``); without a launcher a one-rank group is
+  created. Checkpoints are the engine's own (every rank writes its ZeRO partition) and resume with the
+  same number of ranks and ZeRO stage only;
+* ``WORLD_SIZE > 1`` without a DeepSpeed config: :class:`~qevolve_cli.training.backends.torch.AccelerateBackend`
+  (plain DDP through accelerate);
+* otherwise :class:`~qevolve_cli.training.backends.torch.TorchBackend` (one process, CPU or one GPU).
 
 Every backend has the same small interface (``prepare``, ``autocast``, ``backward``, ``optimizer_step``,
 ``zero_grad``, ``save_state`` / ``load_state``, ``barrier``, ``all_reduce_sum``, ``unwrap``,

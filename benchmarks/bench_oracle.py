@@ -3,6 +3,7 @@ iteration-1 policy step of one `qevolve evolve --iters 1` run on that run's own 
 everything else equal, then evaluates greedily on the whole held-out splits.
 
 Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, `raw` = as labelled):
+  sft             the run's BC policy, evaluated on the whole splits (the run may have used eval_max_tasks)
   rft_bc          RFT from BC with the iteration's policy budget (the same start and budget as BPPO)
   rft_full        RFT as `qevolve compare` trains it: from the base model with the BC budget
   oracle_gae      V* (the environment's exact solver) + GAE on r_env             (norm)
@@ -15,8 +16,15 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   learned_raw     the run's learned critic + GAE, as labelled                    (raw)
   shuffled        the learned advantages permuted over the steps (control)       (norm)
   a_one           A = 1 on every row: BC on everything (control)                 (raw)
+  tab_gae_m05     tab_gae with expectile 0.5 (V = mean of Q: the behaviour policy's value) (norm)
+  tab_gae_m09     tab_gae with expectile 0.9                                    (norm)
+  learned_m05     the run's critic retrained with expectile 0.5 + GAE           (norm)
+  oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
+                  states: nothing the policy does there matters) get A = 0 after standardising (norm)
+  <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
 
-    python benchmarks/bench_oracle.py --runs /work/runs/lh-s0 /work/runs/lh-s1 --arms rft_bc oracle_gae learned
+    python benchmarks/bench_oracle.py --runs runs/lh-s0 runs/lh-s1 --arms rft_bc oracle_gae learned
+    python benchmarks/bench_oracle.py --runs runs/lh-s* --report-only --markdown   # the table of what exists
 
 Each arm's work goes to RUN/oracle/<arm>/ and is skipped when its evaluations exist (re-run to resume).
 Prints one JSON object: per run and arm the success rate per split and their mean, and per arm the mean
@@ -34,8 +42,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = ("rft_bc", "rft_full", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux", "tab_env_gae",
-        "learned", "learned_raw", "shuffled", "a_one")
+BASE_ARMS = ("sft", "rft_bc", "rft_full", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
+             "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "shuffled", "a_one",
+             "oracle_gae_informative")
+BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full")]
+ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
 LABEL = {  # arm -> label config overrides over the run's label stage (value source, advantage, fit reward)
     "oracle_gae": {"value_source": "oracle", "advantage": "gae"},
     "oracle_gae_raw": {"value_source": "oracle", "advantage": "gae"},
@@ -43,8 +54,18 @@ LABEL = {  # arm -> label config overrides over the run's label stage (value sou
     "tab_gae": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux"},
     "tab_gae_aux": {"value_source": "tabular_iql", "advantage": "gae_aux", "fit_reward": "env_aux"},
     "tab_env_gae": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env"},
+    "tab_gae_m05": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux", "expectile": 0.5},
+    "tab_gae_m09": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux", "expectile": 0.9},
+    "oracle_gae_informative": {"value_source": "oracle", "advantage": "gae"},
 }
 RAW = {"oracle_gae_raw", "learned_raw", "a_one"}
+
+
+def split_arm(arm: str) -> tuple[str, dict]:
+    """(base arm, policy overrides): ``X_clip02`` is X with eps_low 0.2."""
+    if arm.endswith("_clip02"):
+        return arm[: -len("_clip02")], {"eps_low": 0.2}
+    return arm, {}
 
 
 def qevolve(*args: str | Path) -> str:
@@ -73,9 +94,35 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
     out = work / "advantages.parquet"
     if out.exists():
         return out
+    import yaml
+
     if arm in LABEL:
-        cfg = write_yaml(work / "label.yaml", run / "stages" / "label_1.yaml", LABEL[arm])
-        qevolve("label", run / "iter_1" / "labeled.parquet", "--config", cfg, "--out", out)
+        max_steps = (yaml.safe_load((run / "stages" / "rollout_1.yaml").read_text()) or {}).get("max_steps")
+        over = {**LABEL[arm], **({"oracle_max_steps": max_steps} if LABEL[arm]["value_source"] != "critic" else {})}
+        cfg = write_yaml(work / "label.yaml", run / "stages" / "label_1.yaml", over)
+        tmp = work / "labels.tmp.parquet"
+        qevolve("label", run / "iter_1" / "labeled.parquet", "--config", cfg, "--out", tmp)
+        if arm == "oracle_gae_informative":
+            # standardise over all steps as BPPO would, then zero the hopeless ones (V* = 0 and not the last step)
+            d = pl.read_parquet(tmp)
+            a = pl.col("advantage")
+            z = (a - a.mean()) / (a.std() + 1e-8)
+            d = d.with_columns(pl.when((pl.col("value") == 0) & ~pl.col("done")).then(0.0).otherwise(z)
+                               .cast(pl.Float32).alias("advantage"))
+            d.write_parquet(tmp)
+        tmp.rename(out)
+        return out
+    if arm == "learned_m05":
+        crit = work / "critic"
+        if not (crit / "critic_config.json").exists() and not (crit / "done").exists():
+            c_cfg = write_yaml(work / "critic.yaml", run / "stages" / "critic_1.yaml", {"expectile": 0.5})
+            qevolve("critic", "--data", run / "iter_1" / "labeled.parquet", "--model", run / "base_model",
+                    "--config", c_cfg, "--out", crit)
+            (crit / "done").write_text("")
+        tmp = work / "labels.tmp.parquet"
+        qevolve("label", run / "iter_1" / "labeled.parquet", "--critic", crit, "--config",
+                run / "stages" / "label_1.yaml", "--out", tmp)
+        tmp.rename(out)
         return out
     learned = pl.read_parquet(run / "iter_1" / "advantages.parquet")
     if arm in ("learned", "learned_raw"):
@@ -87,15 +134,18 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
     return out
 
 
-def train(run: Path, arm: str, work: Path) -> Path:
+def train(run: Path, full_arm: str, work: Path) -> Path:
+    import yaml
+
+    arm, over = split_arm(full_arm)
+    if arm == "sft":
+        return run / "bc" / "policy"
     policy = work / "policy"
     if (policy / "config.json").exists() or (policy / "adapter_config.json").exists():
         return policy
-    if arm == "learned":  # the run's own Q-Evolve policy when it was trained with standardised advantages
-        import yaml
-
-        if yaml.safe_load((run / "stages" / "policy_1.yaml").read_text()).get("normalize_advantage"):
-            return run / "iter_1" / "policy"
+    p1 = yaml.safe_load((run / "stages" / "policy_1.yaml").read_text())
+    if arm == "learned" and not over and p1.get("normalize_advantage"):
+        return run / "iter_1" / "policy"  # the run's own Q-Evolve policy (trained with standardised advantages)
     if arm == "rft_bc":
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "bc" / "policy", "--config", run / "stages" / "policy_1.yaml", "--out", policy)
@@ -103,9 +153,10 @@ def train(run: Path, arm: str, work: Path) -> Path:
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "base_model", "--config", run / "stages" / "bc.yaml", "--out", policy)
     else:
-        data = advantage_table(run, arm, work)
-        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml",
-                         {"normalize_advantage": arm not in RAW})
+        (work.parent / arm).mkdir(parents=True, exist_ok=True)
+        data = advantage_table(run, arm, work.parent / arm) if over else advantage_table(run, arm, work)
+        norm = arm not in RAW and arm != "oracle_gae_informative"  # informative: standardised above
+        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": norm, **over})
         qevolve("policy", "--objective", "bppo", "--data", data, "--model", run / "bc" / "policy", "--ref",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)
     return policy
@@ -135,34 +186,93 @@ def advantage_stats(path: Path) -> dict:
     return {"mean": float(a.mean()), "share_positive": float((a > 1e-6).mean()), "n_self_steps": d.height}
 
 
-def run_arms(run: Path, arms: list[str], splits: list[str]) -> dict:
+def read_scores(work: Path, splits: list[str]) -> dict | None:
+    """The arm's evaluations if all exist (report-only mode), else None."""
+    scores = {}
+    for split in splits:
+        js = work / f"eval_{split}.json"
+        if not js.exists():
+            return None
+        m = json.loads(js.read_text())
+        scores[split] = float(m.get("success_rate", m.get("avg_reward", 0.0)))
+    return scores
+
+
+def run_arms(run: Path, arms: list[str], splits: list[str], report_only: bool = False) -> dict:
     import yaml
 
     env = yaml.safe_load((run / "config.yaml").read_text())["env"]
     out = {}
     for arm in arms:
         work = run / "oracle" / arm
+        if report_only:
+            scores = read_scores(work, splits)
+            if scores is not None:
+                out[arm] = {"scores": scores, "mean": sum(scores.values()) / len(scores),
+                            "advantages": advantage_stats(work.parent / split_arm(arm)[0] / "advantages.parquet")}
+            continue
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         policy = train(run, arm, work)
         scores = evaluate(run, env, policy, work, splits)
         out[arm] = {"scores": scores, "mean": sum(scores.values()) / len(scores),
-                    "advantages": advantage_stats(work / "advantages.parquet"),
+                    "advantages": advantage_stats(work.parent / split_arm(arm)[0] / "advantages.parquet"),
                     "seconds": round(time.perf_counter() - t0, 1)}
         print(f"{run.name} {arm}: {json.dumps(out[arm]['scores'])}", file=sys.stderr, flush=True)
-    # BC (iteration 0) from the run itself, for reference
-    bc = {}
-    for split in splits:
-        p = run / "iter_0" / f"eval_{split}.parquet"
-        if p.exists():
-            import polars as pl
-
-            d = pl.read_parquet(p)
-            per = d.group_by("traj_id").agg(pl.col("reward_env").sum())
-            bc[split] = float((per["reward_env"] >= 1.0).mean())
-    if bc:
-        out["bc"] = {"scores": bc, "mean": sum(bc.values()) / len(bc)}
     return out
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else 0.0
+    return m, se
+
+
+def paired_bootstrap(diffs: list[float], n_boot: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile interval of the mean of per-seed paired differences (resampling seeds)."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_boot))
+    return means[int(0.025 * n_boot)], means[int(0.975 * n_boot) - 1]
+
+
+def summarise(per_run: dict, arms: list[str], refs: tuple[str, ...] = ("rft_bc", "rft_full", "sft")) -> dict:
+    summary = {}
+    for arm in arms:
+        xs = [per_run[r][arm]["mean"] for r in per_run if arm in per_run[r]]
+        if not xs:
+            continue
+        m, se = mean_se(xs)
+        row = {"mean": round(100 * m, 1), "se": round(100 * se, 1), "n": len(xs),
+               "per_run": {r: round(100 * per_run[r][arm]["mean"], 1) for r in per_run if arm in per_run[r]}}
+        for ref in refs:
+            if ref == arm:
+                continue
+            d = [per_run[r][arm]["mean"] - per_run[r][ref]["mean"] for r in per_run
+                 if arm in per_run[r] and ref in per_run[r]]
+            if len(d) >= 2:
+                lo, hi = paired_bootstrap(d)
+                row[f"minus_{ref}"] = {"mean": round(100 * sum(d) / len(d), 1), "ci95": [round(100 * lo, 1),
+                                                                                      round(100 * hi, 1)],
+                                       "n": len(d)}
+        summary[arm] = row
+    return summary
+
+
+def markdown(summary: dict, runs: list[str]) -> str:
+    head = "| arm | " + " | ".join(runs) + " | mean ± se | − rft_bc (95 % CI) | − rft_full (95 % CI) |"
+    lines = [head, "|" + "---|" * (len(runs) + 4)]
+    for arm, r in summary.items():
+        cells = [f"{r['per_run'][x]:.1f}" if x in r["per_run"] else "–" for x in runs]
+        diffs = []
+        for ref in ("rft_bc", "rft_full"):
+            d = r.get(f"minus_{ref}")
+            diffs.append(f"{d['mean']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]" if d else "–")
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {r['mean']:.1f} ± {r['se']:.1f} | " + " | ".join(diffs)
+                     + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -170,16 +280,14 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, nargs="+", required=True, help="Run directories of evolve --iters 1.")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--splits", nargs="+", default=["test_seen", "test_unseen"])
+    ap.add_argument("--report-only", action="store_true", help="Train and evaluate nothing: report what exists.")
+    ap.add_argument("--markdown", action="store_true", help="Print a markdown table (after the JSON, on stderr).")
     a = ap.parse_args()
-    per_run = {r.name: run_arms(r, a.arms, a.splits) for r in a.runs}
-    summary = {}
-    for arm in [*a.arms, "bc"]:
-        xs = [per_run[r][arm]["mean"] for r in per_run if arm in per_run[r]]
-        if xs:
-            m = sum(xs) / len(xs)
-            se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else 0.0
-            summary[arm] = {"mean": round(100 * m, 1), "se": round(100 * se, 1), "n": len(xs)}
+    per_run = {r.name: run_arms(r, a.arms, a.splits, a.report_only) for r in a.runs}
+    summary = summarise(per_run, a.arms)
     print(json.dumps({"runs": per_run, "summary": summary}, indent=1))
+    if a.markdown:
+        print(markdown(summary, list(per_run)), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class LabelConfig(ConfigBase):
     fit_reward: str = field("env_aux", help="tabular_iql: the reward V is fit on: env_aux (r_env + r_aux, the "
                                             "paper's critic) or env (r_env only).", choices=("env_aux", "env"))
     expectile: float = field(0.7, help="tabular_iql: expectile m of V (the critic's default).", gt=0, lt=1)
-    oracle_max_steps: int | None = field(None, help="oracle / tabular_iql: the episodes' step limit (default: "
+    oracle_max_steps: int | None = field(None, help="oracle / tabular_iql: the self-play episodes' step limit (expert rows use the expert's; default: "
                                                     "the environment's).", gt=0)
 
 

@@ -38,8 +38,8 @@ def compared(run) -> dict:
 
 def test_compare_table_rows_data_and_reuse(run, compared):
     t = compared
-    assert [r["arm"] for r in t["rows"]] == ["sft", "rft", "eto", "best_of_n", "qevolve"]
-    assert [r["oracle"] for r in t["rows"]] == [False, False, False, True, False]
+    assert [r["arm"] for r in t["rows"]] == ["sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v"]
+    assert [r["oracle"] for r in t["rows"]] == [False, False, False, True, False, True]
     assert t["columns"] == ["lamps/test_seen", "lamps/test_unseen"]
     rows = {r["arm"]: r for r in t["rows"]}
     man = json.loads((run / "manifest.json").read_text())["stages"]
@@ -50,7 +50,7 @@ def test_compare_table_rows_data_and_reuse(run, compared):
             s = rows[arm]["scores"][f"lamps/{split}"]
             assert s["avg_reward"] == man[f"iter_{k}/eval_{split}"]["metrics"]["avg_reward"]
             assert s["source"].endswith(f"iter_{k}/eval_{split}")
-    assert not [n for n in cman if n.startswith(("eval/sft", "eval/qevolve"))]
+    assert not [n for n in cman if n.startswith(("eval/sft", "eval/qevolve_test"))]
     # the training data of the arms, counted independently from the run's tables
     expert, rollout = per_traj(run / "expert.parquet"), per_traj(run / "iter_1" / "rollout.parquet")
     rft = json.loads((run / "compare" / "rft" / "policy" / "train_summary.json").read_text())
@@ -71,13 +71,27 @@ def test_compare_table_rows_data_and_reuse(run, compared):
         assert rows["best_of_n"]["scores"][f"lamps/{split}"]["avg_reward"] == pytest.approx(best)
     # env steps: self-play rollouts used for training, and env steps at evaluation
     steps = pl.read_parquet(run / "iter_1" / "rollout.parquet").height
-    assert [rows[a]["self_play_steps"] for a in ("sft", "rft", "eto", "best_of_n", "qevolve")] == [0, steps, steps,
-                                                                                                 0, steps]
+    assert [rows[a]["self_play_steps"] for a in ("sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
+            ] == [0, steps, steps, 0, steps, steps]
+    # Q-Evolve (oracle V): the iteration-1 labels with V* (gamma^(d-1)): 1 before every finishing step, the
+    # advantages of the same GAE; BPPO from BC with the run's policy_1 config
+    assert rows["qevolve_oracle_v"]["method"] == "Q-Evolve (oracle V)"
+    adv = pl.read_parquet(run / "compare" / "oracle_v" / "advantages.parquet")
+    lab = pl.read_parquet(run / "iter_1" / "labeled.parquet")
+    assert adv.height == lab.height and adv["traj_id"].to_list() == lab["traj_id"].to_list()
+    finishing = adv.filter(pl.col("done") & (pl.col("reward_env") >= 1))
+    assert finishing.height > 0 and finishing["value"].to_list() == [1.0] * finishing.height
+    assert finishing["next_value"].to_list() == [0.0] * finishing.height
+    assert (adv["value"] <= 1.0).all() and (adv["value"] >= 0.0).all() and adv["advantage"].is_finite().all()
+    ov = json.loads((run / "compare" / "oracle_v" / "policy" / "train_summary.json").read_text())
+    p1 = json.loads((run / "iter_1" / "policy" / "train_summary.json").read_text())
+    assert ov["objective"] == p1["objective"] == "bppo" and ov["ref"] == str(run / "bc" / "policy")
     bon_steps = sum(pl.read_parquet(run / "compare" / "eval" / f"best_of_n_{s}.parquet").height
                     for s in ("test_seen", "test_unseen"))
     assert rows["best_of_n"]["eval_steps"] == bon_steps
     md = (run / "compare" / "table.md").read_text()
     assert md.startswith("| method | lamps/test_seen | lamps/test_unseen |") and "oracle upper bound" in md
+    assert "| Q-Evolve (oracle V) |" in md and "the critic's ceiling" in md
     assert json.loads((run / "compare" / "table.json").read_text()) == t
 
 
@@ -92,7 +106,7 @@ def test_compare_resumes_and_refuses_to_overwrite(run, compared):
     assert r.returncode == 0, r.stderr[-3000:]
     ran = [ln for ln in r.stderr.splitlines() if ln.startswith("[run]")]
     assert ran == ["[run]  eval/eto_test_seen (attempt 2, resuming)"] or ran == ["[run]  eval/eto_test_seen"], ran
-    assert "[skip] rft (done)" in r.stderr and "[skip] eto (done)" in r.stderr
+    assert "[skip] rft (done)" in r.stderr and "[skip] eto (done)" in r.stderr and "[skip] oracle_v (done)" in r.stderr
     again = json.loads(r.stdout)
     assert again["rows"] == compared["rows"]  # greedy evaluation: the same score again
 
@@ -114,6 +128,14 @@ def test_compare_bad_inputs_one_line_errors(run, tmp_path):
     r = runner.invoke(app, ["compare", "--run-dir", str(run), "--set", "arms=[sft,ppo]", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "field 'arms': unknown arm 'ppo'" in r.output
     assert not (tmp_path / "o").exists()
+    # the oracle row needs an exact solver: named for an env without one, one line; by default it is dropped
+    other = tmp_path / "textcraft_run"
+    other.mkdir()
+    (other / "config.yaml").write_text((run / "config.yaml").read_text().replace("env: lamps", "env: textcraft"))
+    r = runner.invoke(app, ["compare", "--run-dir", str(other), "--set", "arms=[sft,qevolve_oracle_v]"])
+    assert r.exit_code == 2 and "qevolve_oracle_v needs an exact solver, and 'textcraft' has none" in r.output
+    r = runner.invoke(app, ["compare", "--run-dir", str(other)])
+    assert r.exit_code == 2 and "no expert table" in r.output and "solver" not in r.output
 
 
 def test_compare_yaml_mirrors_the_config_defaults():

@@ -53,6 +53,7 @@ def replay(df: pl.DataFrame, source: Any = None, max_steps: int | None = None) -
     (fewest commands to finish) with ``left`` / ``next_left`` (steps left), from a replay of the
     trajectory's commands in a fresh environment."""
     from qevolve_cli.envs.builtin import optimal_steps
+    from qevolve_cli.envs.expert import EXPERT_MAX_STEPS
     from qevolve_cli.envs.registry import MAX_STEPS, make_env
     from qevolve_cli.envs.splits import task_from_id
     from qevolve_cli.react import FORMAT_ERROR_OBSERVATION
@@ -63,15 +64,20 @@ def replay(df: pl.DataFrame, source: Any = None, max_steps: int | None = None) -
         raise TableError(source, "env", f"no exact solver for environment {bad[0]!r} (oracle values exist for "
                                         f"{', '.join(SOLVERS)})")
     out: list[dict[str, Any]] = []
-    cols = df.select("env", "traj_id", "task_id", "step", "command", "next_observation", "done").rows()
-    env_objs: dict[str, Any] = {}
+    has_source = "source" in df.columns
+    cols = df.select("env", "traj_id", "task_id", "step", "command", "next_observation", "done",
+                     pl.col("source") if has_source else pl.lit("self").alias("source")).rows()
+    env_objs: dict[tuple[str, int], Any] = {}
     env = None
     cur = None
-    for name, traj, task_id, step, command, next_obs, done in cols:
+    for name, traj, task_id, step, command, next_obs, done, src in cols:
         if traj != cur:
             if step != 0:
                 raise TableError(source, "step", f"trajectory {traj!r} does not start at step 0")
-            env = env_objs.get(name) or env_objs.setdefault(name, make_env(name, max_steps=max_steps or MAX_STEPS[name]))
+            # expert episodes were played with the expert's long step limit (envs/expert.py), self-play
+            # episodes with the rollout's
+            limit = EXPERT_MAX_STEPS if src == "expert" else (max_steps or MAX_STEPS[name])
+            env = env_objs.get((name, limit)) or env_objs.setdefault((name, limit), make_env(name, max_steps=limit))
             try:
                 env.reset(task_from_id(name, task_id))
             except QevolveError as e:

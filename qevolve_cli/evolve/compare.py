@@ -11,7 +11,12 @@ rollouts, its base model and BC policy, its evaluation settings) the arms are:
   ETO's recipe scaled to the run (:meth:`CompareConfig.eto_config`);
 * **Best-of-N** = the BC policy, N sampled trajectories per task, the best by
   final env reward (an oracle upper bound, QLASS's rule);
-* **Q-Evolve** = the run's last evaluated iteration.
+* **Q-Evolve** = the run's last evaluated iteration;
+* **Q-Evolve (oracle V)** (environments with an exact solver: lamps, lamps-hard) = the iteration-1
+  policy step (BPPO from the BC policy, the run's ``policy_1`` config) on the iteration-1 labels
+  with the *exact* optimal values ``V*`` in place of the learned critic's (``label --value-source
+  oracle``): the ceiling of the critic. Where it does not beat RFT, the policy step is to blame,
+  not the critic (docs/compare.md).
 
 Every arm is evaluated with the run's own evaluation config (same splits,
 ``eval_max_tasks``, step limit, decoding); evaluations the run already did with
@@ -31,16 +36,19 @@ from typing import Any
 from qevolve_cli.config import ConfigBase, field
 from qevolve_cli.errors import ConfigError, QevolveError
 
-ARMS = ("sft", "rft", "eto", "best_of_n", "qevolve")
+ARMS = ("sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
 ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
 ETO_NLL_WEIGHT = 1.0  # RPO (Pang et al. 2024) and TRL's rpo_alpha recommendation: DPO + 1.0 x NLL(chosen)
-ARM_NAMES = {"sft": "SFT", "rft": "RFT", "eto": "ETO", "best_of_n": "Best-of-N", "qevolve": "Q-Evolve"}
+ARM_NAMES = {"sft": "SFT", "rft": "RFT", "eto": "ETO", "best_of_n": "Best-of-N", "qevolve": "Q-Evolve",
+             "qevolve_oracle_v": "Q-Evolve (oracle V)"}
 
 
 @dataclass
 class CompareConfig(ConfigBase):
     arms: list[str] = field(default_factory=lambda: list(ARMS), help="Rows of the table: sft, rft, eto, best_of_n, "
-                                                                      "qevolve.")
+                                                                      "qevolve, qevolve_oracle_v (only where the "
+                                                                      "environment has an exact solver: dropped "
+                                                                      "from the default list elsewhere).")
     best_of: int = field(6, help="N of Best-of-N (the paper: 6).", ge=2)
     bon_temperature: float | None = field(None, help="Sampling temperature of Best-of-N (default: the run's rollout "
                                                      "temperature).", ge=0)
@@ -110,12 +118,19 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     from qevolve_cli.evolve.loop import Plan, _scalars
     from qevolve_cli.evolve.rundir import RunDir
 
+    from qevolve_cli.envs.oracle import SOLVERS, has_solver
+
     ccfg = ccfg or CompareConfig()
     run = Path(run_dir)
     cfg_path = run / "config.yaml"
     if not cfg_path.exists():
         raise QevolveError(f"{run}: not a qevolve evolve run directory (no config.yaml)")
     ecfg = EvolveConfig.from_dict(yaml.safe_load(cfg_path.read_text()), source=cfg_path)
+    if "qevolve_oracle_v" in ccfg.arms and not has_solver(ecfg.env):
+        if ccfg.arms != list(ARMS):  # named by the user: say why it cannot be
+            raise QevolveError(f"arms: qevolve_oracle_v needs an exact solver, and {ecfg.env!r} has none (solvers: "
+                               f"{', '.join(SOLVERS)})")
+        ccfg = ccfg.replace(arms=[a for a in ccfg.arms if a != "qevolve_oracle_v"])
     evolve_run = RunDir(run)
     plan = Plan(ecfg, run)
     P = lambda rel: run / rel if not Path(rel).is_absolute() else Path(rel)  # noqa: E731
@@ -172,6 +187,34 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
         crun.run_stage("eto", train_eto, inputs=data + [str(bc)], outputs=["eto/policy"],
                        config_hash=d_cfg.hash(), iteration=1, echo=echo)
         policies["eto"] = cdir / "eto" / "policy"
+    if "qevolve_oracle_v" in ccfg.arms:
+        # iteration 1 with V* instead of the learned critic: the same labels (the run's label_1 config,
+        # value_source oracle, the rollout's step limit for the replay), the same BPPO step from BC
+        l_cfg = ecfg.stage("label", 1).replace(value_source="oracle",
+                                               oracle_max_steps=ecfg.stage("rollout", 1).max_steps)
+        o_cfg = ecfg.stage("policy", 1)
+        labeled = run / "iter_1" / "labeled.parquet"
+        if not labeled.exists():
+            raise QevolveError(f"{run}: no iteration-1 labels ({labeled}); run `qevolve evolve --iters 1` (or "
+                               "--resume) first")
+
+        def oracle_labels():
+            from qevolve_cli.labeling import label_tables
+
+            return _scalars(label_tables([labeled], cdir / "oracle_v" / "advantages.parquet", l_cfg))
+
+        crun.run_stage("oracle_v/advantage", oracle_labels, inputs=[str(labeled)],
+                       outputs=["oracle_v/advantages.parquet"], config_hash=l_cfg.hash(), iteration=1, echo=echo)
+
+        def train_oracle_v():
+            from qevolve_cli.policy.trainer import train_policy
+
+            return _scalars(train_policy(o_cfg, cdir / "oracle_v" / "advantages.parquet", bc,
+                                         cdir / "oracle_v" / "policy", ref=bc, quiet=quiet))
+
+        crun.run_stage("oracle_v", train_oracle_v, inputs=["oracle_v/advantages.parquet", str(bc)],
+                       outputs=["oracle_v/policy"], config_hash=o_cfg.hash(), iteration=1, echo=echo)
+        policies["qevolve_oracle_v"] = cdir / "oracle_v" / "policy"
 
     # ---- evaluations: the run's own eval config per split (as evolve's _evaluate)
     def eval_cfg(k: int, split: str):
@@ -190,7 +233,7 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for arm in ccfg.arms:
         results[arm] = {}
-        k = k_last if arm == "qevolve" else (1 if arm in ("rft", "eto") else 0)
+        k = k_last if arm == "qevolve" else (1 if arm in ("rft", "eto", "qevolve_oracle_v") else 0)
         for split in ecfg.eval_splits:
             e_cfg = eval_cfg(k, split)
             best_of = ccfg.best_of if arm == "best_of_n" else 1
@@ -218,13 +261,14 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     rollout_steps = {k: schema.read_table(run / f"iter_{k}" / "rollout.parquet", validate_rows=False).height
                      for k in range(1, (k_last or 1) + 1) if (run / f"iter_{k}" / "rollout.parquet").exists()}
     self_steps = {"sft": 0, "best_of_n": 0, "rft": rollout_steps.get(1, 0), "eto": rollout_steps.get(1, 0),
+                  "qevolve_oracle_v": rollout_steps.get(1, 0),
                   "qevolve": sum(rollout_steps.get(k, 0) for k in range(1, k_last + 1))}
     rows = []
     for arm in ccfg.arms:
         name = ARM_NAMES[arm] + (f" (N={ccfg.best_of}, oracle)" if arm == "best_of_n" else "")
         if arm == "qevolve":
             name += f" (iter {k_last})"
-        row: dict[str, Any] = {"arm": arm, "method": name, "oracle": arm == "best_of_n",
+        row: dict[str, Any] = {"arm": arm, "method": name, "oracle": arm in ("best_of_n", "qevolve_oracle_v"),
                                "expert_steps": expert_steps, "self_play_steps": self_steps[arm],
                                "eval_steps": int(sum(int(m.get("env_steps", 0)) for m in results[arm].values())),
                                "scores": {}}
@@ -255,7 +299,11 @@ def table_markdown(table: dict[str, Any]) -> str:
     notes = [f"Average final reward x100 (the paper's metric); {table['env']}, seed {table['seed']}, "
              f"expert demonstrations: {table['rows'][0]['expert_steps'] if table['rows'] else 0} env steps "
              "(used by every arm)."]
-    if any(r["oracle"] for r in table["rows"]):
+    if any(r["arm"] == "qevolve_oracle_v" for r in table["rows"]):
+        notes.append("Q-Evolve (oracle V) is iteration 1's policy step on the exact optimal values V* from the "
+                     "environment's solver instead of the learned critic's: the critic's ceiling, not a deployable "
+                     "method.")
+    if any(r["arm"] == "best_of_n" for r in table["rows"]):
         notes.append(f"Best-of-N keeps, per task, the one of N={table['best_of']} sampled trajectories with the "
                      "highest final environment reward: an oracle upper bound (QLASS's rule), not a deployable "
                      "method.")

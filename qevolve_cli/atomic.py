@@ -48,6 +48,15 @@ def write_json(target: str | Path, obj: Any) -> None:
     write_text(target, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def partial_dir(out: str | Path) -> Path:
+    """Where the work in progress of the stage output ``out`` lives: ``OUT.partial/`` beside it (checkpoints,
+    the running log). Visible on purpose: a user finds it next to the output, whichever stage wrote it, and
+    deletes it to start over; the stage removes it once ``out`` is written (docs/architecture.md, "Work in
+    progress")."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces ``target`` whole."""

@@ -137,8 +137,8 @@ def run_dir_lock(run_dir: str | Path) -> Path:
 
 
 def output_lock(out: str | Path) -> Path:
-    """The lock file of a stage output (a table or a model directory; guards its journal, work and
-    checkpoint directories too): ``.<name>.lock`` beside it."""
+    """The lock file of a stage output (a table or a model directory; guards its work in progress,
+    ``OUT.partial/``, too): ``.<name>.lock`` beside it."""
     out = Path(out)
     return out.with_name(f".{out.name}.lock")
 

@@ -103,7 +103,7 @@ def test_policy_bc_zero2_and_zero3_equal_the_single_process_run(policy_table, ti
         assert np.allclose([r["loss"] for r in c], [r["loss"] for r in p], rtol=0, atol=1e-5)
         assert [r["tokens"] for r in c] == [r["tokens"] for r in p]  # the whole step, summed over ranks
         assert c[-1]["loss"] < c[0]["loss"]
-        assert not (tmp_path / f".{name}.work").exists()
+        assert not (tmp_path / f"{name}.partial").exists()
         # the saved directory loads back with the repo's loader and generates finite logits
         m = load_causal_lm(out)
         with torch.no_grad():
@@ -154,7 +154,7 @@ def bppo_runs(policy_table, tiny_model_dir, tmp_path_factory) -> Path:
     args = ["--data", policy_table, "--model", tiny_model_dir, *BPPO]
     qevolve_here("policy", *args, "--out", d / "plain")
     z3 = ["policy", *args, "--out", d / "z3", "--set", f"deepspeed={ZERO3}", "--set", "checkpoint_every_steps=1"]
-    lose_node_1_and_resume(z3, d / "z3_killed.json", d / ".z3.work" / "ckpt", d / "z3", "meta.json", d / "z3.json")
+    lose_node_1_and_resume(z3, d / "z3_killed.json", d / "z3.partial", d / "z3", "checkpoint.json", d / "z3.json")
     return d
 
 
@@ -207,7 +207,7 @@ def test_policy_bppo_lora_zero3_killed_and_resumed_equals_uninterrupted_single_p
     assert (meta["step"], meta["epoch"], meta["epoch_step"]) == (1, 0, 1) and not killed["out_exists"]
     assert (meta["backend"], meta["world_size"], meta["zero_stage"]) == ("deepspeed", 2, 3)
     files = killed["files"]
-    assert all(f == "meta.json" or f.startswith("step00000001/") for f in files)  # one committed checkpoint
+    assert all(f in ("checkpoint.json", "metrics.jsonl") or f.startswith("step00000001/") for f in files)  # one checkpoint
     assert sum(f.endswith("optim_states.pt") for f in files) == 2  # one ZeRO-3 partition per rank
     assert {"step00000001/state.pt", "step00000001/extra.safetensors", "step00000001/rng_rank1.pt"} <= set(files)
     summary = json.loads((bppo_runs / "z3.json").read_text())
@@ -221,7 +221,7 @@ def test_policy_bppo_lora_zero3_killed_and_resumed_equals_uninterrupted_single_p
     assert np.allclose([r["loss"] for r in c], [r["loss"] for r in p], rtol=0, atol=1e-5)
     assert np.allclose([r["kl"] for r in c], [r["kl"] for r in p], rtol=0, atol=1e-6)
     assert [r["tokens"] for r in c] == [r["tokens"] for r in p]
-    assert not (bppo_runs / ".z3.work").exists()  # the checkpoint is removed with the finished stage
+    assert not (bppo_runs / "z3.partial").exists()  # the checkpoint is removed with the finished stage
     assert load_causal_lm(bppo_runs / "z3") is not None
 
 
@@ -237,9 +237,9 @@ def test_policy_bppo_killed_mid_epoch_in_one_process_resumes_like_the_uninterrup
     cmd = ["policy", "--data", policy_table, "--model", tiny_model_dir, *BPPO, "--out", out,
            "--set", "checkpoint_every_steps=3"]
     qevolve_killed_after(3, *cmd)
-    killed = killed_run(tmp_path / ".plain.work" / "ckpt", out, "meta.json")
+    killed = killed_run(tmp_path / "plain.partial", out, "checkpoint.json")
     assert (killed["pointer"]["step"], killed["pointer"]["epoch"], killed["pointer"]["epoch_step"]) == (3, 1, 1)
-    assert not killed["out_exists"] and {f.split("/")[0] for f in killed["files"]} == {"meta.json", "step00000003"}
+    assert not killed["out_exists"] and {f.split("/")[0] for f in killed["files"]} == {"checkpoint.json", "metrics.jsonl", "step00000003"}
     summary = qevolve_here(*cmd)
     assert summary["resumed_from_step"] == 3 and summary["optimizer_steps"] == 4
     assert_same_tensors(load_file(str(out / "adapter_model.safetensors")),
@@ -248,7 +248,7 @@ def test_policy_bppo_killed_mid_epoch_in_one_process_resumes_like_the_uninterrup
     assert [r["step"] for r in c] == [1, 2, 3, 4]
     for key in ("loss", "kl", "lr", "tokens"):
         assert np.allclose([r[key] for r in c], [r[key] for r in ref], rtol=0, atol=1e-6), key
-    assert not (tmp_path / ".plain.work").exists()
+    assert not (tmp_path / "plain.partial").exists()
 
 
 @pytest.mark.slow
@@ -306,7 +306,7 @@ def critic_runs(tiny_model_dir, tmp_path_factory) -> Path:
     args = ["--data", d / "lab.parquet", "--model", tiny_model_dir, *CRITIC]
     qevolve_here("critic", *args, "--out", d / "plain")
     z2 = ["critic", *args, "--out", d / "z2", "--set", f"deepspeed={ZERO2}", "--set", "checkpoint_every_steps=1"]
-    lose_node_1_and_resume(z2, d / "z2_killed.json", d / "z2.partial", d / "z2", "progress.json", d / "z2.json")
+    lose_node_1_and_resume(z2, d / "z2_killed.json", d / "z2.partial", d / "z2", "checkpoint.json", d / "z2.json")
     return d
 
 
@@ -372,10 +372,10 @@ def test_critic_killed_mid_epoch_in_one_process_resumes_like_the_uninterrupted_r
     cmd = ["critic", "--data", critic_runs / "lab.parquet", "--model", tiny_model_dir, *CRITIC, "--out", out,
            "--set", "checkpoint_every_steps=1"]
     qevolve_killed_after(3, *cmd)
-    killed = killed_run(tmp_path / "plain.partial", out, "progress.json")
+    killed = killed_run(tmp_path / "plain.partial", out, "checkpoint.json")
     prog = killed["pointer"]
     assert (prog["tag"], prog["epoch"], prog["epoch_state"]["batch"], len(prog["metrics"])) == ("step00000003", 1, 1, 1)
-    assert not killed["out_exists"] and {f.split("/")[0] for f in killed["files"]} == {"progress.json", "step00000003"}
+    assert not killed["out_exists"] and {f.split("/")[0] for f in killed["files"]} == {"checkpoint.json", "step00000003"}
     summary = qevolve_here(*cmd)
     assert (summary["resumed_from_epoch"], summary["resumed_from_step"]) == (1, 3)
     for f in CRITIC_FILES:
@@ -438,9 +438,9 @@ def test_bad_deepspeed_configs_fail_with_one_line(tmp_path, tiny_model_dir):
 def test_plain_checkpoint_is_not_resumed_under_deepspeed(policy_table, tiny_model_dir, tmp_path):
     """The checkpoint of an interrupted one-process run is refused under DeepSpeed with one line, before
     anything is trained or written (one process, no launcher: qevolve creates a one-rank process group)."""
-    ck = tmp_path / ".out.work" / "ckpt"
+    ck = tmp_path / "out.partial"
     (ck / "step00000002").mkdir(parents=True)
-    (ck / "meta.json").write_text(json.dumps({"tag": "step00000002", "epoch": 1, "epoch_step": 0, "step": 2,
+    (ck / "checkpoint.json").write_text(json.dumps({"tag": "step00000002", "epoch": 1, "epoch_step": 0, "step": 2,
                                               "backend": "torch"}))
     proc = subprocess.run([sys.executable, "-m", "qevolve_cli", "policy", "--objective", "bc", "--data",
                            str(policy_table), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
@@ -449,7 +449,7 @@ def test_plain_checkpoint_is_not_resumed_under_deepspeed(policy_table, tiny_mode
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "written by a torch run, this is a deepspeed run" in err[0], err
-    assert not (tmp_path / "out").exists() and (ck / "meta.json").exists()
+    assert not (tmp_path / "out").exists() and (ck / "checkpoint.json").exists()
 
 
 def two_nodes(*args, kill_node1_after: int | None = None, timeout: float = 300) -> list[subprocess.CompletedProcess]:

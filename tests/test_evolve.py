@@ -153,7 +153,7 @@ def test_resume_after_kill_mid_stage(tmp_path, deepspeed_cpu):
     r = subprocess.run([*args, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == -signal.SIGKILL, r.stderr[-4000:]
     assert manifest(run)["iter_1/policy"]["status"] == "running"
-    meta = json.loads((run / "iter_1" / ".policy.work" / "ckpt" / "meta.json").read_text())
+    meta = json.loads((run / "iter_1" / "policy.partial" / "checkpoint.json").read_text())
     assert (meta["step"], meta["backend"], meta["world_size"], meta["zero_stage"]) == (2, "deepspeed", 1, 2)
     r = run_qevolve(*evolve, "--resume", timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -167,7 +167,7 @@ def test_resume_after_kill_mid_stage(tmp_path, deepspeed_cpu):
     n = pol["metrics"]["optimizer_steps"]
     steps = [json.loads(x)["step"] for x in (run / "iter_1" / "policy" / "metrics.jsonl").read_text().splitlines()]
     assert n > 2 and steps == list(range(1, n + 1))  # every step of the stage once, across the two attempts
-    assert not (run / "iter_1" / ".policy.work").exists()
+    assert not (run / "iter_1" / "policy.partial").exists()
     assert not list(run.rglob("*.tmp"))
 
 

@@ -57,8 +57,7 @@ def test_stage_commands_refuse_an_output_held_by_another_process(table, tiny_mod
             assert len(lines) == 1 and lines[0].startswith(
                 f"error: {out}: in use by another qevolve process (pid {holder.pid};"), (name, r.stderr)
             assert "rerun" in lines[0] and "--resume" not in lines[0]  # these commands resume by themselves
-            assert not out.exists() and not (tmp_path / f".{name}.work").exists()
-            assert not (tmp_path / f"{name}.partial").exists()
+            assert not out.exists() and not (tmp_path / f"{name}.partial").exists()
         finally:
             holder.kill()
             holder.wait(timeout=30)
@@ -114,8 +113,8 @@ def test_killed_launcher_takes_its_workers_and_a_second_launch_is_refused(table,
                              start_new_session=True)  # its own process group, as a batch job's
     workers: list[int] = []
     try:
-        ckpt = tmp_path / ".pol.work" / "ckpt"
-        _wait(lambda: (ckpt / "meta.json").exists() or first.poll() is not None, 180, "a committed checkpoint")
+        ckpt = tmp_path / "pol.partial"
+        _wait(lambda: (ckpt / "checkpoint.json").exists() or first.poll() is not None, 180, "a committed checkpoint")
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         workers = _children(first.pid)
         assert len(workers) == 2 and lock.holder_pid(lock.output_lock(out)) in workers

@@ -82,7 +82,7 @@ def test_rollout_textcraft_table(textcraft_run: Path) -> None:
     assert (df.group_by("traj_id").agg(pl.col("instruction").n_unique())["instruction"] == 1).all()
     cfg = (textcraft_run.parent / "self.parquet.config.yaml").read_text()
     assert "seed: 7" in cfg and "temperature_used: 1.0" in cfg
-    assert not (textcraft_run.parent / "self.parquet.journal.jsonl").exists()
+    assert not (textcraft_run.parent / "self.parquet.partial").exists()
 
 
 def test_rollout_same_seed_same_table(textcraft_run: Path, react_model_dir: Path, tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ def test_rollout_resume_after_kill(react_model_dir: Path, tmp_path: Path) -> Non
     from qevolve_cli import schema
 
     out = tmp_path / "r.parquet"
-    journal = tmp_path / "r.parquet.journal.jsonl"
+    journal = tmp_path / "r.parquet.partial" / "journal.jsonl"
     args = ["rollout", "--env", "textcraft", "--policy", str(react_model_dir), "--split", "train", "--max-tasks", "8",
             "--n-per-task", "2", "--max-steps", "6", "--seed", "3", "--out", str(out), "--max-new-tokens", "24",
             "--workers", "1", "--envs-per-worker", "2", "-q"]
@@ -172,7 +172,7 @@ def test_rollout_resume_after_kill(react_model_dir: Path, tmp_path: Path) -> Non
         got = df.filter(pl.col("traj_id") == tid).sort("step")
         assert got["action"].to_list() == [r["action"] for r in rows]
         assert got["next_observation"].to_list() == [r["next_observation"] for r in rows]
-    assert not journal.exists()
+    assert not journal.parent.exists()  # OUT.partial/ goes with the finished stage
     # resuming a complete rollout is a no-op
     res2 = run_qevolve(*args, "--resume", "--json", check=True)
     assert json.loads(res2.stdout)["stats"]["done"] == 16

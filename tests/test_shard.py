@@ -80,7 +80,7 @@ def test_cli_bad_shard_is_one_line_exit_2(cmd: str, bad: str, needle: str, tmp_p
     assert r.exit_code == 2, r.output
     lines = r.output.strip().splitlines()
     assert lines == [f"error: --shard: {needle}"]
-    assert not out.exists() and not (tmp_path / "o.parquet.journal.jsonl").exists()
+    assert not out.exists() and not (tmp_path / "o.parquet.partial").exists()
 
 
 def test_cli_empty_shard_is_one_line_exit_2(tmp_path) -> None:
@@ -92,4 +92,4 @@ def test_cli_empty_shard_is_one_line_exit_2(tmp_path) -> None:
     assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines() == [
         "error: textcraft/test_seen: shard 1/2 of 1 tasks x 1 samples is empty (fewer pairs than shards)"]
-    assert not out.exists() and not (tmp_path / "o.parquet.journal.jsonl").exists()
+    assert not out.exists() and not (tmp_path / "o.parquet.partial").exists()

@@ -97,7 +97,7 @@ def test_interrupted_run_resumes_after_last_finished_epoch(tmp_path):
     m = _model()
     with pytest.raises(KeyboardInterrupt):
         train_loop(m, steps_for(), _loss_fn(x, y, fail_at_epoch=2), _args(tmp_path / "run"), hooks=hooks)
-    assert (tmp_path / "run" / "ckpt" / "meta.json").exists()
+    assert (tmp_path / "run" / "ckpt" / "checkpoint.json").exists()
     m = _model()  # a fresh process would rebuild the initial model
     r = train_loop(m, steps_for(), _loss_fn(x, y), _args(tmp_path / "run"), hooks=hooks)
     assert r.resumed_from_epoch == 2 and r.steps == 6
@@ -128,10 +128,10 @@ def test_mid_epoch_checkpoint_resumes_at_the_next_step(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train_loop(_model(), steps_for(24), _loss_fn(x, y, fail_at_step=7), args, hooks=hooks)
     ck = tmp_path / "run" / "ckpt"
-    meta = json.loads((ck / "meta.json").read_text())
+    meta = json.loads((ck / "checkpoint.json").read_text())
     assert {k: meta[k] for k in ("epoch", "epoch_step", "step", "backend")} == \
         {"epoch": 1, "epoch_step": 2, "step": 6, "backend": "torch"}
-    assert sorted(p.name for p in ck.iterdir()) == ["meta.json", "step00000006"]  # the earlier ones were replaced
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.json", "step00000006"]  # the earlier ones were replaced
     assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 7  # step 7 ran after the checkpoint
     (ck / "step00000007").mkdir()  # an uncommitted checkpoint of a run that died while writing it
     m = _model()
@@ -146,13 +146,13 @@ def test_mid_epoch_checkpoint_resumes_at_the_next_step(tmp_path):
     assert [r["epoch"] for r in log] == [r["epoch"] for r in ref_log]
     for k in ("loss", "lr", "grad_norm"):
         assert [r[k] for r in log] == pytest.approx([r[k] for r in ref_log], rel=1e-6), k
-    assert sorted(p.name for p in ck.iterdir()) == ["meta.json", "step00000009"]  # committed again, leftover gone
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.json", "step00000009"]  # committed again, leftover gone
     # the checkpoint of another run (config, data, model: the caller's fingerprint) is refused with one line
     with pytest.raises(QevolveError, match="another configuration, data or model"):
         train_loop(_model(), steps_for(24), _loss_fn(x, y), dataclasses.replace(args, fingerprint="other"))
     # a checkpoint resumes only under the backend that wrote it (one-line error, nothing trained)
-    meta9 = json.loads((ck / "meta.json").read_text())
-    (ck / "meta.json").write_text(json.dumps({**meta9, "backend": "deepspeed"}))
+    meta9 = json.loads((ck / "checkpoint.json").read_text())
+    (ck / "checkpoint.json").write_text(json.dumps({**meta9, "backend": "deepspeed"}))
     with pytest.raises(QevolveError, match="written by a deepspeed run, this is a torch run"):
         train_loop(_model(), steps_for(24), _loss_fn(x, y), args)
 
@@ -172,7 +172,7 @@ def test_resume_reads_a_checkpoint_only_through_a_complete_pointer(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train_loop(_model(), steps_for(24), _loss_fn(x, y, fail_at_step=3), args)
     ck = tmp_path / "run" / "ckpt"
-    good = (ck / "meta.json").read_text()
+    good = (ck / "checkpoint.json").read_text()
     meta = json.loads(good)
     assert meta["tag"] == "step00000003" and set(meta["files"]) == {"trainable.safetensors", "optimizer.pt",
                                                                     "state.pt", "rng_rank0.pt"}
@@ -185,11 +185,11 @@ def test_resume_reads_a_checkpoint_only_through_a_complete_pointer(tmp_path):
             train_loop(_model(), steps_for(24), _loss_fn(x, y), args)
         assert "\n" not in str(e.value) and "delete" in str(e.value)
 
-    (ck / "meta.json").write_text(good[: len(good) // 2])  # half-written (a copy cut short)
+    (ck / "checkpoint.json").write_text(good[: len(good) // 2])  # half-written (a copy cut short)
     refused("unreadable checkpoint pointer")
-    (ck / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "step"}))
+    (ck / "checkpoint.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "step"}))
     refused("field step: missing from the checkpoint pointer")
-    (ck / "meta.json").write_text(good)
+    (ck / "checkpoint.json").write_text(good)
     with open(ck / "step00000003" / "optimizer.pt", "r+b") as f:  # truncated
         f.truncate(10)
     refused(r"step00000003 is incomplete \(optimizer.pt has 10 bytes, the pointer says \d+\)")

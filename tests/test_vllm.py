@@ -205,7 +205,7 @@ def test_openai_backend_against_vllm_serve(vmodel, lora_adapter, ctx_config, hf_
 
         # the server dies mid-rollout: one line, exit 2, finished episodes kept in the journal
         out = tmp_path / "dies.parquet"
-        journal = out.with_name(out.name + ".journal.jsonl")
+        journal = out.with_name(out.name + ".partial") / "journal.jsonl"
         args = ["rollout", "--env", "textcraft", "--policy", str(vmodel), "--split", "train", "--max-tasks", "12",
                 "--n-per-task", "1", "--max-steps", "4", "--temperature", "0", "--config", str(ctx_config), "--out",
                 str(out), "--max-new-tokens", "24", "--workers", "1", "--envs-per-worker", "1", "--lanes", "1",

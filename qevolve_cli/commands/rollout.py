@@ -30,7 +30,7 @@ HELP = """Collect self-play trajectories of a policy into a step table (docs/tab
 Episodes are played in batches: one generation call per round for every live
 episode, environment steps in a pool of worker processes, finished episodes
 replaced by new (task, sample) pairs until every task has --n-per-task
-trajectories. Finished episodes are appended to OUT.journal.jsonl as they
+trajectories. Finished episodes are appended to OUT.partial/journal.jsonl as they
 finish; after an interruption --resume plays only the missing pairs. The final
 table is written atomically, with the resolved config in OUT.config.yaml.
 --shard I/N plays one contiguous block of the (task, sample) pairs with the
@@ -146,7 +146,7 @@ def register(app: typer.Typer) -> None:
         max_steps: MaxStepsOpt = None,
         max_context: Annotated[int | None, typer.Option("--max-context", help="Context length in tokens (0 = model max).")] = None,
         precision: PrecisionOpt = None,
-        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted rollout from OUT.journal.jsonl.")] = False,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted rollout from OUT.partial/journal.jsonl.")] = False,
         shard: ShardOpt = None,
         config: ConfigOpt = None,
         json_out: JsonOpt = False,

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from qevolve_cli.algos import critic_q_loss, critic_v_loss, td_target
-from qevolve_cli.atomic import atomic_dir
+from qevolve_cli.atomic import atomic_dir, partial_dir
 from qevolve_cli.config import dump_yaml
 from qevolve_cli.critic.config import CriticConfig
 from qevolve_cli.critic.data import TrajItem, attach_targets, build_items, collate, load_table, sample_steps
@@ -52,6 +52,7 @@ from qevolve_cli.errors import QevolveError
 from qevolve_cli.rewards import process_rewards
 from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 from qevolve_cli.training import (
+    POINTER,
     check_checkpoint_backend,
     checkpoint_meta,
     checkpoint_tag,
@@ -440,14 +441,10 @@ def deepspeed_backend(cfg: CriticConfig):
     return DeepSpeedBackend(cfg.deepspeed, "fp32", cfg.device, 1, cfg.grad_clip)
 
 
-def _partial_dir(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
 def _read_progress(partial: Path) -> dict[str, Any] | None:
-    """The committed checkpoint's ``progress.json`` (None: none); a broken one (unreadable, half-written, a
+    """The committed checkpoint's pointer (None: none); a broken one (unreadable, half-written, a
     listed file missing) is answered with one line (:func:`qevolve_cli.training.read_checkpoint_pointer`)."""
-    return read_checkpoint_pointer(partial, "progress.json", needs=("epoch", "metrics"))
+    return read_checkpoint_pointer(partial, POINTER, needs=("epoch", "metrics"))
 
 
 def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Path, *,
@@ -483,7 +480,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     fingerprint = {"config": cfg.replace(checkpoint_every_steps=0).hash(), "model": str(Path(model).resolve()), "n_items": len(items),
                    "n_steps": int(sum(it.n_steps for it in items)),
                    "traj": sorted(it.traj_id for it in items)[:50]}
-    partial = _partial_dir(out)
+    partial = partial_dir(out)
     metrics: list[dict[str, Any]] = []
     start_epoch = 0
     # early stopping on the held-out Bellman error (early_stop_metric)
@@ -514,7 +511,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
 
     def save_checkpoint(progress_info: dict[str, Any]) -> None:
         """Checkpoint ``trainer.n`` (every rank calls it): see :func:`qevolve_cli.training.write_checkpoint`
-        for the layout and the commit (here the pointer is ``progress.json``)."""
+        for the layout and the commit."""
         tag = checkpoint_tag(trainer.n)
         tag_dir = start_checkpoint(partial, tag, main)
         if ds is not None:
@@ -529,7 +526,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
         if ds is not None:
             ds.barrier()
         if main:
-            commit_checkpoint(partial, "progress.json", {"tag": tag, "fingerprint": fingerprint, "metrics": metrics,
+            commit_checkpoint(partial, POINTER, {"tag": tag, "fingerprint": fingerprint, "metrics": metrics,
                                                          "early_stop": stop, **progress_info, **checkpoint_meta(ds)})
         if ds is not None:
             ds.barrier()

@@ -13,8 +13,9 @@ files, or a PEFT LoRA adapter + tokenizer files), ``config.yaml`` (the
 resolved :class:`PolicyConfig` plus the inputs), ``metrics.jsonl`` (one line
 per optimiser step) and ``train_summary.json``. Work in progress (checkpoints
 at epoch ends and every ``checkpoint_every_steps`` steps, the running log) lives
-in a hidden sibling ``.<out>.work/`` so that an interrupted run, started again
-with the same command, resumes at the next optimiser step (under DeepSpeed too).
+in ``OUT.partial/`` beside the output (:func:`qevolve_cli.atomic.partial_dir`, the
+convention of every stage) so that an interrupted run, started again with the
+same command, resumes at the next optimiser step (under DeepSpeed too).
 """
 from __future__ import annotations
 
@@ -244,10 +245,6 @@ def _apply_lora(model, cfg: PolicyConfig):
     return get_peft_model(model, lc)
 
 
-def work_dir_for(out: Path) -> Path:
-    return out.parent / f".{out.name}.work"
-
-
 def _fingerprint(cfg_hash: str, data, model: Path, ref) -> str:
     import hashlib
 
@@ -265,7 +262,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
     import torch
 
     from qevolve_cli.algos import awr_loss, bppo_loss, dpo_nll_loss, sequence_logratio, token_nll
-    from qevolve_cli.atomic import atomic_dir, write_json
+    from qevolve_cli.atomic import atomic_dir, partial_dir, write_json
     from qevolve_cli.config import dump_yaml
     from qevolve_cli.training import (
         Hooks,
@@ -288,12 +285,12 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         check_model_dir(ref, "--ref")
     df, table_info = load_policy_table(cfg, data)
     data_str = str(data) if isinstance(data, (str, Path)) else ", ".join(map(str, data))
-    work = work_dir_for(out)
+    work = partial_dir(out)
 
     args = TrainArgs(
         epochs=cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
         lr_scheduler=cfg.lr_scheduler, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
-        precision=cfg.precision, device=cfg.device, log_path=work / "metrics.jsonl", ckpt_dir=work / "ckpt",
+        precision=cfg.precision, device=cfg.device, log_path=work / "metrics.jsonl", ckpt_dir=work,
         deepspeed=Path(cfg.deepspeed) if cfg.deepspeed else None, quiet=quiet, desc=f"policy {cfg.objective}",
         max_steps=cfg.max_steps, checkpoint_every_steps=cfg.checkpoint_every_steps,
         # how often checkpoints are written does not change the run: a resume may change it

@@ -20,13 +20,14 @@ While the workers step one lane, the policy generates for the next one, so
 generation and environment time overlap (``lanes: 1`` plays all live episodes
 in one batch per round, without overlap).
 
-The journal (``<out>.journal.jsonl``, beside the output) is append-only: a
+The journal (``OUT.partial/journal.jsonl``, the work-in-progress directory beside
+the output that every stage uses, :func:`qevolve_cli.atomic.partial_dir`) is append-only: a
 header line, then one line per finished episode with all its rows, flushed and
 fsynced. An interrupted run keeps every finished episode; ``resume=True``
 reads the journal (a torn last line is ignored), plays only the missing
 (task, sample) pairs (and, with ``retry_failed``, the failed ones again) and
 finally writes the whole table atomically with :func:`schema.write_table`,
-then removes the journal.
+then removes the journal with its directory.
 
 Sampling seeds are per (trajectory, step): ``hash(seed, traj_id, step)``, so
 with the ``hf`` backend on CPU the same seed gives the same table, and an
@@ -43,6 +44,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ from typing import Any
 import polars as pl
 
 from qevolve_cli import schema, transcript
+from qevolve_cli.atomic import partial_dir
 from qevolve_cli.errors import QevolveError, TableError
 from qevolve_cli.rollout.backends import Backend, Request, make_backend
 from qevolve_cli.rollout.config import RolloutConfig
@@ -101,8 +104,7 @@ class RolloutStats:
 
 
 def journal_path(out: str | Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + ".journal.jsonl")
+    return partial_dir(out) / "journal.jsonl"
 
 
 def traj_id_of(env: str, split: str, task_id: str, iteration: int, sample: int) -> str:
@@ -539,8 +541,7 @@ def _run_rollout(cfg: RolloutConfig, policy: str | Path, out: Path, *, adapter: 
 
     dump_yaml({**cfg.to_dict(), "policy": str(policy), "adapter": str(adapter) if adapter else None,
                "temperature_used": temp, "source": source}, config_path(out))
-    with contextlib.suppress(FileNotFoundError):
-        jpath.unlink()
+    shutil.rmtree(jpath.parent, ignore_errors=True)
     return RolloutResult(schema.validate(table, out), st, out)
 
 

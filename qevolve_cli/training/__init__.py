@@ -11,7 +11,8 @@ The modules, bottom to top (the package re-exports every public name, so
   (plain DDP), :class:`DeepSpeedBackend` (ZeRO-0/1/2/3), chosen by :func:`make_backend`; torch,
   accelerate and DeepSpeed are imported lazily;
 * ``checkpoints.py``: write, commit (atomically), check and load a checkpoint (the policy's and the
-  critic's);
+  critic's), in the stage's work-in-progress directory ``OUT.partial/`` (docs/architecture.md, "Work in
+  progress");
 * ``loop.py``: :func:`train_loop`, the schedule (:func:`lr_lambda`) and seeding.
 
 Usage (the policy trainer, ``policy/trainer.py``, is the full example)::
@@ -30,7 +31,7 @@ Usage (the policy trainer, ``policy/trainer.py``, is the full example)::
 Who uses what. ``train_loop`` runs the policy stage (bc, bppo, awr, rft, dpo) and the memory probe of
 ``qevolve plan`` (``planner/probe.py``). The critic (``critic/trainer.py``) has its own loop and uses the
 pieces below it: :func:`lr_lambda`, the checkpoint functions (same layout and commit, its pointer is
-``progress.json``) and :class:`DeepSpeedBackend` for config resolution and engine start-up only. It
+``checkpoint.json`` too) and :class:`DeepSpeedBackend` for config resolution and engine start-up only. It
 differs because its update is not one optimiser step over all trainable parameters:
 
 * two AdamW optimisers over disjoint parameters (the Q branch: Q adapter and heads q1, q2; the V branch:
@@ -68,6 +69,7 @@ from qevolve_cli.training.backends.torch import AccelerateBackend, TorchBackend
 from qevolve_cli.training.batching import group_steps, token_budget_batches
 from qevolve_cli.training.checkpoints import (
     KILL_AFTER_CHECKPOINT,
+    POINTER,
     check_checkpoint_backend,
     check_checkpoint_files,
     checkpoint_manifest,
@@ -89,6 +91,7 @@ from qevolve_cli.training.loop import LossFn, lr_lambda, seed_everything, train_
 __all__ = [
     "DS_STAGES",
     "KILL_AFTER_CHECKPOINT",
+    "POINTER",
     "AccelerateBackend",
     "DeepSpeedBackend",
     "Hooks",

@@ -1,10 +1,11 @@
 """Checkpoints of the training loop: write, commit atomically, check, load (every rank calls them).
 
-Layout: ``CKPT/stepNNNNNNNN/`` holds one checkpoint (the backend's state, one RNG file per rank,
-``state.pt``, ``extra.safetensors``); ``CKPT/meta.json`` (the pointer, replaced atomically and listing
-every file with its size) says which one is committed. A kill at any moment leaves the previous
-checkpoint or the new one, both whole. The critic trainer writes its own checkpoints with the same
-functions (its state is two optimisers, see ``critic/trainer.py``).
+Layout, in a stage's work-in-progress directory ``OUT.partial/`` (:func:`qevolve_cli.atomic.partial_dir`):
+``stepNNNNNNNN/`` holds one checkpoint (the loop's: the backend's state, one RNG file per rank,
+``state.pt``, ``extra.safetensors``); ``checkpoint.json`` (:data:`POINTER`, replaced atomically and
+listing every file with its size) says which one is committed. A kill at any moment leaves the
+previous checkpoint or the new one, both whole. The critic writes its own state (two optimisers, see
+``critic/trainer.py``) through the same functions and the same pointer name.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 from qevolve_cli.errors import QevolveError
 
 KILL_AFTER_CHECKPOINT = "QEVOLVE_KILL_AFTER_CHECKPOINT"
+POINTER = "checkpoint.json"  # the file that commits a checkpoint (the policy's and the critic's)
 
 
 def checkpoint_tag(step: int) -> str:
@@ -88,7 +90,7 @@ def commit_checkpoint(ckpt_dir: Path, pointer: str, meta: dict[str, Any]) -> Non
             shutil.rmtree(d, ignore_errors=True)
 
 
-def read_checkpoint_pointer(ckpt_dir: Path, pointer: str = "meta.json",
+def read_checkpoint_pointer(ckpt_dir: Path, pointer: str = POINTER,
                             needs: tuple[str, ...] = ("epoch", "epoch_step", "step")) -> dict[str, Any] | None:
     """The committed checkpoint's pointer (None when there is none); one-line errors for a broken one: an
     unreadable or half-written pointer, one without the fields ``needs``, a checkpoint directory or file it
@@ -190,7 +192,7 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     fsync_tree(tag_dir)
     backend.barrier()
     if backend.is_main:
-        commit_checkpoint(Path(ckpt_dir), "meta.json", {"tag": tag, **pos, **checkpoint_meta(backend),
+        commit_checkpoint(Path(ckpt_dir), POINTER, {"tag": tag, **pos, **checkpoint_meta(backend),
                                                         "fingerprint": fingerprint})
     backend.barrier()
     kill_after_checkpoint(pos["step"])

@@ -163,48 +163,190 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None = None, section: str | None = None,
-                overrides: dict[str, Any] | None = None) -> T:
-    """Build ``cls`` from an optional YAML file (optionally one top-level section) plus overrides."""
+# ---------------------------------------------------------------- layered resolution
+# A config is resolved from layers, later ones winning key by key: the dataclass defaults (the one source of
+# every default), then the YAML files (a presets file's `default` section and a named preset, or a flat
+# `--config` file), then `--set KEY=VALUE`, then the command's own flags. Every resolved value remembers the
+# layer that set it: `qevolve <cmd> --print-config` shows it, and an invalid value is blamed on its layer.
+
+
+@dataclasses.dataclass
+class Layer:
+    """One layer of a resolution: a name (shown by --print-config and in errors) and the values it sets.
+
+    ``flags`` names single keys differently (``{"lr": "--lr"}``: a flag, not the layer); ``keep_none``: a
+    ``None`` is a value (YAML ``null``, ``--set k=null``) rather than "not given" (an unset flag)."""
+
+    name: str
+    values: dict[str, Any]
+    flags: dict[str, str] = dataclasses.field(default_factory=dict)
+    keep_none: bool = True
+
+    def label(self, key: str) -> str:
+        return self.flags.get(key, self.name)
+
+
+@dataclasses.dataclass
+class Resolved(typing.Generic[T]):
+    """A resolved config and, for each of its fields, the layer that set it."""
+
+    config: T
+    origin: dict[str, str]
+
+    def rows(self) -> list[tuple[str, Any, str]]:
+        """(field, value, layer) for every field, in the dataclass's order."""
+        return [(f.name, getattr(self.config, f.name), self.origin[f.name]) for f in dataclasses.fields(self.config)]
+
+
+def default_layer_name(cls: type) -> str:
+    return f"default ({cls.__name__})"
+
+
+def _set_hint(key: str, value: Any, problem: str) -> str:
+    """The spelling ``--set`` accepts for a value of the wrong type (``arms=rft`` -> ``'arms=[rft]'``)."""
+    if problem.startswith("expected a list"):
+        inner = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        return f" (write --set '{key}=[{inner}]')"
+    if problem.startswith("expected a mapping"):
+        return f" (write --set '{key}={{NAME: VALUE}}')"
+    if problem.startswith("expected true/false"):
+        return f" (write --set {key}=true or --set {key}=false)"
+    if problem.startswith("expected a string"):
+        return f" (write --set '{key}=\"{value}\"')"
+    return ""
+
+
+def blame(err: ConfigError, origin: dict[str, str], data: dict[str, Any]) -> ConfigError:
+    """``err`` about the resolved mapping, re-addressed to the layer that set the offending field.
+
+    A file keeps its ``FILE: field 'k': ...`` form; a flag names itself (``--lr: must be > 0``); a value from
+    ``--set`` also shows the accepted spelling when its type is wrong."""
+    key = (err.field or "").split(".")[0].split("[")[0]
+    where = origin.get(key)
+    if where is None:
+        return err
+    if where.startswith("--"):
+        sub = err.field[len(key):].lstrip(".") if err.field else ""
+        hint = _set_hint(key, data.get(key), err.problem) if where.startswith("--set") and not sub else ""
+        return ConfigError(where, sub or None, err.problem + hint)
+    return ConfigError(where, err.field, err.problem)
+
+
+def resolve_layers(cls: type[T], layers: list[Layer]) -> Resolved[T]:
+    """``cls`` from the dataclass defaults and ``layers`` (later wins, key by key), validated; errors name
+    the layer that set the bad value."""
     data: dict[str, Any] = {}
-    source: Any = "defaults"
-    if path is not None:
-        data = load_yaml(path)
-        source = path
-        if section is not None:
-            sub = data.get(section, {})
-            if not isinstance(sub, dict):
-                raise ConfigError(path, section, "expected a mapping")
-            data = sub
-    if overrides:
-        data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
-    return cls.from_dict(data, source=source)
+    origin: dict[str, str] = {}
+    for layer in layers:
+        for k, v in layer.values.items():
+            if v is None and not layer.keep_none:
+                continue
+            data[k] = v
+            origin[k] = layer.label(k)
+    try:
+        cfg = cls.from_dict(data, source="resolved config")
+    except ConfigError as e:
+        raise blame(e, origin, data) from None
+    for f in dataclasses.fields(cls):
+        origin.setdefault(f.name, default_layer_name(cls))
+    return Resolved(cfg, origin)
 
 
-def load_preset_config(cls: type[T], path: str | Path | None, preset: str | None,
-                       overrides: dict[str, Any] | None, default_path: Path) -> T:
-    """``cls`` from ``path`` + ``preset`` + overrides, where ``path`` is a flat mapping or a presets file.
+def set_layer(sets: dict[str, Any]) -> Layer:
+    """``--set KEY=VALUE`` overrides (parsed as YAML; ``null`` is a value)."""
+    return Layer("--set", dict(sets), flags={k: f"--set {k}" for k in sets})
 
-    A presets file (like ``configs/policy.yaml``) maps names to partial configs;
-    every preset inherits its ``default`` section, which is also used when no
-    preset is named. Naming a preset without a file reads ``default_path``.
-    """
-    if path is None and preset is not None:
-        path = default_path
+
+def flag_layer(values: dict[str, Any], rename: dict[str, str] | None = None) -> Layer:
+    """The command's own flags (``None`` = not given); each names itself (``--max-tasks``, or ``rename``'s)."""
+    return Layer("flags", dict(values), keep_none=False,
+                 flags={k: (rename or {}).get(k, "--" + k.replace("_", "-")) for k in values})
+
+
+def file_layers(path: str | Path | None, section: str | None = None) -> list[Layer]:
+    """A flat YAML config file (optionally one top-level ``section`` of it) as a layer."""
     if path is None:
-        return load_config(cls, None, None, overrides)
+        return []
+    data = load_yaml(path)
+    if section is not None:
+        data = data.get(section, {})
+        if not isinstance(data, dict):
+            raise ConfigError(path, section, "expected a mapping")
+        return [Layer(f"{path} ({section})", data)]
+    return [Layer(str(path), data)]
+
+
+def scale_parts(data: dict[str, Any], stage: str, iteration: int) -> list[tuple[str, dict[str, Any]]]:
+    """The parts of a presets mapping (``configs/presets/*.yaml``, an evolve config) that set ``stage`` at
+    ``iteration``, in order: the stage section, then ``iterations[iteration-1].<stage>`` (not for ``bc``).
+
+    One rule for ``qevolve evolve`` and for ``qevolve policy/critic --preset NAME``: the same preset gives a
+    stage the same numbers whichever command runs it."""
+    parts = [(stage, data.get(stage) or {})]
+    its = data.get("iterations") or []
+    if stage != "bc" and 1 <= iteration <= len(its):
+        parts.append((f"iterations[{iteration - 1}].{stage}", its[iteration - 1].get(stage) or {}))
+    return parts
+
+
+def presets_dir() -> Path:
+    return configs_dir() / "presets"
+
+
+def _split_iteration(name: str) -> tuple[str, int]:
+    """``sciworld_iter2`` -> ``("sciworld", 2)``; ``cpu`` -> ``("cpu", 1)``."""
+    head, sep, k = name.rpartition("_iter")
+    if sep and head and k.isdigit() and int(k) >= 1:
+        return head, int(k)
+    return name, 1
+
+
+def stage_preset_layers(path: str | Path | None, preset: str | None, default_path: Path,
+                        stages: tuple[str, ...], implied: dict[str, Any] | None = None) -> list[Layer]:
+    """Layers of ``--config PATH --preset NAME`` for a stage command (``qevolve policy``, ``qevolve critic``).
+
+    ``PATH`` is a flat mapping or a file of named presets (like ``configs/policy.yaml``; every preset inherits
+    its ``default`` section, also used when no preset is named; naming a preset without a file reads
+    ``default_path``). A preset not in ``default_path`` may name a file of ``configs/presets/`` (``cpu``,
+    ``smoke``, ``sciworld``, ...), optionally with an iteration (``cpu_iter2``, ``sciworld_iter1``): the
+    stage then gets exactly what ``qevolve evolve --preset NAME`` gives it at that iteration
+    (:func:`scale_parts`): ``stages`` names the section, e.g. ``("bc",)`` or ``("policy",)``, where the
+    stage's objective decides; ``implied``: what evolve gives that stage when the preset does not
+    (the policy stage's objective bppo)."""
+    if path is None and preset is None:
+        return []
+    # a file of your own holds its own presets; the project's (default_path) also reaches configs/presets/
+    explicit = path is not None and Path(path).resolve() != default_path.resolve()
+    path = Path(path) if path is not None else default_path
     data = load_yaml(path)
     is_presets = bool(data) and all(isinstance(v, dict) for v in data.values())
     if not is_presets:
         if preset is not None:
             raise ConfigError(path, preset, "the file has no named presets")
-        return load_config(cls, path, None, overrides)
+        return [Layer(str(path), data)]
     name = preset or "default"
-    if name not in data:
-        raise ConfigError(path, name, f"no such preset (known: {', '.join(sorted(data))})")
-    merged = {**data.get("default", {}), **data[name]}
-    merged = {**merged, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    return cls.from_dict(merged, source=path)
+    layers = [Layer(f"{path} (default)", data.get("default") or {})]
+    if name in data:
+        return layers + ([Layer(f"{path} (preset {name})", data[name])] if name != "default" else [])
+    scale, k = _split_iteration(name)
+    scale_file = presets_dir() / f"{scale}.yaml"
+    if explicit or not scale_file.is_file():
+        known = sorted(data) + ([] if explicit else sorted(p.stem for p in presets_dir().glob("*.yaml")))
+        raise ConfigError(path, name, f"no such preset (known: {', '.join(known)}"
+                                      + ("" if explicit else "; a preset of configs/presets/ takes _iterK") + ")")
+    sdata = load_yaml(scale_file)
+    sdata.pop("envs", None)  # per-environment blocks apply under `qevolve evolve --env`
+    rel = f"configs/presets/{scale}.yaml"
+    out = [Layer(f"preset {name} (the {'/'.join(stages)} stage of qevolve evolve)", implied)] if implied else []
+    for stage in stages:
+        out += [Layer(f"preset {name} ({rel}: {part})", vals) for part, vals in scale_parts(sdata, stage, k) if vals]
+    return layers + out
+
+
+def load_config(cls: type[T], path: str | Path | None = None, section: str | None = None,
+                overrides: dict[str, Any] | None = None) -> T:
+    """Build ``cls`` from an optional YAML file (optionally one top-level section) plus overrides."""
+    return resolve_layers(cls, file_layers(path, section) + [Layer("overrides", overrides or {}, keep_none=False)]).config
 
 
 def dump_yaml(obj: ConfigBase | dict[str, Any], path: str | Path) -> None:

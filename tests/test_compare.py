@@ -126,7 +126,10 @@ def test_compare_bad_inputs_one_line_errors(run, tmp_path):
     r = runner.invoke(app, ["compare", "--run-dir", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "not a qevolve evolve run directory" in r.output
     r = runner.invoke(app, ["compare", "--run-dir", str(run), "--set", "arms=[sft,ppo]", "--out", str(tmp_path / "o")])
-    assert r.exit_code == 2 and "field 'arms': unknown arm 'ppo'" in r.output
+    assert r.exit_code == 2 and r.output.startswith("error: --set arms: unknown arm 'ppo'")  # the layer that set it
+    r = runner.invoke(app, ["compare", "--run-dir", str(run), "--set", "arms=rft", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and r.output.strip() == ("error: --set arms: expected a list, got 'rft' "
+                                                     "(write --set 'arms=[rft]')")
     assert not (tmp_path / "o").exists()
     # the oracle row needs an exact solver: named for an env without one, one line; by default it is dropped
     other = tmp_path / "textcraft_run"

@@ -38,6 +38,9 @@ ShardOpt = Annotated[str | None, typer.Option("--shard", help="Only shard I of N
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: KEY=VALUE (repeatable).")]
 PrecisionOpt = Annotated[str | None, typer.Option("--precision", help="fp32 or bf16 (default auto: bf16 on GPU and on "
                                                "CPUs with avx512_bf16/AMX, else fp32; docs/performance.md).")]
+PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print every resolved config value and the "
+                                              "layer that set it (default, YAML file, preset, --config, --set, "
+                                              "flag), then exit without running (docs/commands.md).")]
 EpochsOpt = Annotated[int | None, typer.Option("--epochs", help="Override epochs.")]
 LrOpt = Annotated[float | None, typer.Option("--lr", help="Override the learning rate.")]
 
@@ -143,6 +146,41 @@ def flag_names(values: dict[str, Any], sets: dict[str, Any] | None = None,
         if v is not None:
             out[k] = (rename or {}).get(k, "--" + k.replace("_", "-"))
     return out
+
+
+def require(given: dict[str, Any]) -> None:
+    """The options a run needs that ``--print-config`` does not (``{"--data": data}``): one line naming the first
+    one missing, exit code 2."""
+    for flag, value in given.items():
+        if value is None or value == []:
+            raise QevolveError(f"missing option {flag} (required unless --print-config)")
+
+
+def print_config(rows: list[tuple[str, Any, str]], title: str, json_out: bool = False) -> None:
+    """``--print-config``: one line per field (name, resolved value, the layer that set it) on stdout; with
+    ``--json`` one object ``{"config": {...}, "origin": {...}}``. Rows whose field is ``"# ..."`` head a section."""
+    if json_out:
+        cfg: dict[str, Any] = {}
+        origin: dict[str, Any] = {}
+        section = None
+        for name, value, layer in rows:
+            if name.startswith("# "):
+                section = name[2:]
+                cfg[section], origin[section] = {}, {}
+                continue
+            (cfg[section] if section else cfg)[name] = value
+            (origin[section] if section else origin)[name] = layer
+        emit_json({"config": cfg, "origin": origin})
+        return
+    width = max((len(n) for n, _, _ in rows if not n.startswith("# ")), default=0)
+    vwidth = min(max((len(repr(v)) for n, v, _ in rows if not n.startswith("# ")), default=0), 28)
+    lines = [title]
+    for name, value, layer in rows:
+        if name.startswith("# "):
+            lines.append(f"[{name[2:]}]")
+            continue
+        lines.append(f"  {name:<{width}}  {value!r:<{vwidth}}  {layer}")
+    typer.echo("\n".join(lines))
 
 
 def emit_json(obj: Any) -> None:

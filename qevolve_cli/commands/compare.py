@@ -9,10 +9,13 @@ import typer
 from qevolve_cli.commands.common import (
     ConfigOpt,
     JsonOpt,
+    PrintConfigOpt,
     QuietOpt,
     SetOpt,
     emit_json,
     parse_sets,
+    print_config,
+    require,
     run_command,
 )
 
@@ -67,29 +70,41 @@ def render(table: dict[str, Any]) -> None:
                         "(oracle upper bound).")
 
 
+def nest_sets(sets: dict[str, Any]) -> dict[str, Any]:
+    """``--set rft.lr=1e-4`` -> ``{"rft": {"lr": 1e-4}}`` (the arms' PolicyConfig overrides)."""
+    out: dict[str, Any] = {}
+    for k, v in sets.items():
+        head, _, rest = k.partition(".")
+        if rest:
+            out.setdefault(head, {})[rest] = v
+        else:
+            out[k] = v
+    return out
+
+
 def register(app: typer.Typer) -> None:
     @app.command("compare", help=HELP)
     def compare(
-        run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory of `qevolve evolve`.")],
+        run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory of `qevolve evolve`. "
+                                                     "Required.")] = None,
         out: Annotated[Path | None, typer.Option("--out", "-o", help="Comparison directory (default RUN_DIR/compare).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted comparison.")] = False,
         config: ConfigOpt = None,
         sets: SetOpt = None,
+        print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         def body() -> None:
-            from qevolve_cli.config import load_config
+            from qevolve_cli.config import file_layers, resolve_layers, set_layer
             from qevolve_cli.evolve.compare import CompareConfig, _echo_stderr, run_compare
 
-            overrides: dict[str, Any] = {}
-            for k, v in parse_sets(sets).items():  # rft.lr=1e-4 -> {"rft": {"lr": 1e-4}}
-                head, _, rest = k.partition(".")
-                if rest:
-                    overrides.setdefault(head, {})[rest] = v
-                else:
-                    overrides[k] = v
-            ccfg = load_config(CompareConfig, config, None, overrides)
+            resolved = resolve_layers(CompareConfig, file_layers(config) + [set_layer(nest_sets(parse_sets(sets)))])
+            if print_cfg:
+                return print_config(resolved.rows(), "qevolve compare: resolved config (field, value, set by)",
+                                    json_out)
+            require({"--run-dir": run_dir})
+            ccfg = resolved.config
             table = run_compare(run_dir, ccfg, out=out, resume=resume, quiet=quiet,
                                 echo=(lambda _m: None) if quiet else _echo_stderr)
             if json_out:

@@ -11,13 +11,14 @@ from qevolve_cli.commands.common import (
     EpochsOpt,
     JsonOpt,
     LrOpt,
+    PrintConfigOpt,
     QuietOpt,
     SetOpt,
     emit_json,
-    flag_names,
-    naming_flags,
     parse_sets,
+    print_config,
     progress,
+    require,
     run_command,
 )
 
@@ -61,12 +62,16 @@ Examples:
 def register(app: typer.Typer) -> None:
     @app.command("critic", help=HELP)
     def critic(
-        data: Annotated[Path, typer.Option("--data", help="Labelled trajectory table (qevolve label).")],
-        model: Annotated[Path, typer.Option("--model", help="Base model directory: the frozen backbone and its tokenizer.")],
-        out: Annotated[Path, typer.Option("--out", "-o", help="Output critic directory (written atomically).")],
+        data: Annotated[Path | None, typer.Option("--data", help="Labelled trajectory table (qevolve label). "
+                                                  "Required.")] = None,
+        model: Annotated[Path | None, typer.Option("--model", help="Base model directory: the frozen backbone and "
+                                                   "its tokenizer. Required.")] = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Output critic directory (written atomically). "
+                                                 "Required.")] = None,
         config: ConfigOpt = None,
-        preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file "
-                                                   "(default file configs/critic.yaml).")] = None,
+        preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file (default file "
+                                                   "configs/critic.yaml), or of configs/presets/ (cpu, smoke, "
+                                                   "alfworld_iter2, ...: what `qevolve evolve` gives this stage).")] = None,
         sets: SetOpt = None,
         epochs: EpochsOpt = None,
         lr: LrOpt = None,
@@ -75,17 +80,21 @@ def register(app: typer.Typer) -> None:
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Trajectories per batch.")] = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Random seed.")] = None,
         resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Resume from OUT.partial/ if present.")] = True,
+        print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         def body():
-            from qevolve_cli.critic.config import load_critic_config
+            from qevolve_cli.config import flag_layer, resolve_layers, set_layer
+            from qevolve_cli.critic.config import CriticConfig, critic_layers
 
-            flags = {"epochs": epochs, "lr": lr, "steps_per_traj": steps_per_traj, "batch_size": batch_size,
-                     "seed": seed}
-            set_values = parse_sets(sets)
-            overrides = {**set_values, **{k: v for k, v in flags.items() if v is not None}}
-            cfg = naming_flags(lambda: load_critic_config(config, preset, overrides), flag_names(flags, set_values))
+            flags = flag_layer({"epochs": epochs, "lr": lr, "steps_per_traj": steps_per_traj,
+                                "batch_size": batch_size, "seed": seed})
+            res = resolve_layers(CriticConfig, critic_layers(config, preset) + [set_layer(parse_sets(sets)), flags])
+            if print_cfg:
+                return print_config(res.rows(), "qevolve critic: resolved config (field, value, set by)", json_out)
+            require({"--data": data, "--model": model, "--out": out})
+            cfg = res.config
             from qevolve_cli.critic.trainer import train_critic
             from qevolve_cli.models.hub import resolve_model
 

@@ -8,19 +8,22 @@ import typer
 
 from qevolve_cli.commands.common import (
     ConfigOpt,
-    EnvOpt,
     JsonOpt,
     PrecisionOpt,
+    PrintConfigOpt,
     QuietOpt,
     ShardOpt,
     emit_json,
     precision_dtype,
+    print_config,
+    require,
     run_command,
 )
 from qevolve_cli.commands.rollout import (
     AdapterOpt,
     BackendOpt,
     BaseUrlOpt,
+    EnvReqOpt,
     EnvsPerWorkerOpt,
     IterationOpt,
     LanesOpt,
@@ -100,9 +103,10 @@ def shard_suffix(shard: str) -> str:
 def register(app: typer.Typer) -> None:
     @app.command("eval", help=HELP)
     def eval_cmd(
-        env: EnvOpt,
-        policy: PolicyOpt,
-        split: Annotated[str, typer.Option("--split", help="Evaluation split: test_seen, test_unseen, test (WebShop), train.")],
+        env: EnvReqOpt = None,
+        policy: PolicyOpt = None,
+        split: Annotated[str | None, typer.Option("--split", help="Evaluation split: test_seen, test_unseen, test "
+                                                  "(WebShop), train. Required.")] = None,
         adapter: AdapterOpt = None,
         out: Annotated[Path | None, typer.Option("--out", "-o", help="Trajectory table (default eval_<env>_<split>.parquet; "
                                         "with --shard I/N eval_<env>_<split>_IofN.parquet).")] = None,
@@ -127,6 +131,7 @@ def register(app: typer.Typer) -> None:
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted evaluation.")] = False,
         shard: ShardOpt = None,
         config: ConfigOpt = None,
+        print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
@@ -134,13 +139,17 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.atomic import write_json
             from qevolve_cli.rollout.evaluate import run_eval
 
-            cfg = resolve_config(config, {
+            res = resolve_config(config, {
                 "env": env, "split": split, "max_tasks": max_tasks,
                 ("temperature" if best_of > 1 else "eval_temperature"): temperature,
                 "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
                 "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
                 "candidates": candidates, "shard": shard, "dtype": precision_dtype(precision),
             }, rename={"eval_temperature": "--temperature", "dtype": "--precision"})
+            if print_cfg:
+                return print_config(res.rows(), "qevolve eval: resolved config (field, value, set by)", json_out)
+            require({"--env": env, "--policy": policy, "--split": split})
+            cfg = res.config
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}{shard_suffix(cfg.shard)}.parquet")
             cfg, pol, adp = resolve_policy(cfg, policy, adapter)
             sigterm_as_interrupt()

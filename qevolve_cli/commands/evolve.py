@@ -10,10 +10,12 @@ from qevolve_cli.commands.common import (
     ConfigOpt,
     JsonOpt,
     PrecisionOpt,
+    PrintConfigOpt,
     QuietOpt,
     emit_json,
     flag_names,
     naming_flags,
+    print_config,
     run_command,
 )
 
@@ -36,6 +38,23 @@ Examples:
 """
 
 
+def evolve_rows(cfg, origin: dict[tuple, str]) -> list[tuple[str, object, str]]:
+    """--print-config rows of an evolve config: its own fields, then every stage config per iteration."""
+    import dataclasses
+
+    from qevolve_cli.config import default_layer_name
+    from qevolve_cli.evolve.config import STAGE_SECTIONS
+
+    rows = [(f.name, getattr(cfg, f.name), origin.get((f.name,), default_layer_name(type(cfg))))
+            for f in dataclasses.fields(cfg) if f.name not in (*STAGE_SECTIONS, "iterations")]
+    stages = [("bc", 0)] + [(s, k) for k in range(1, max(cfg.iters, 1) + 1) for s in STAGE_SECTIONS if s != "bc"]
+    for name, k in stages:
+        stage, where = cfg.stage(name, k), cfg.stage_origin(name, k, origin)
+        rows.append((f"# {name}" + (f" (iteration {k})" if name != "bc" else ""), None, ""))
+        rows += [(f.name, getattr(stage, f.name), where[f.name]) for f in dataclasses.fields(stage)]
+    return rows
+
+
 def register(app: typer.Typer) -> None:
     @app.command("evolve", help=HELP)
     def evolve(
@@ -51,11 +70,12 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int | None, typer.Option("--seed", help="Seed of every stage.")] = None,
         precision: PrecisionOpt = None,
         log_to: Annotated[str | None, typer.Option("--log-to", help="Also log metrics to: tensorboard, wandb (comma list).")] = None,
+        print_cfg: PrintConfigOpt = False,
         quiet: QuietOpt = False,
         json_out: JsonOpt = False,
     ) -> None:
         def body() -> None:
-            from qevolve_cli.evolve.config import resolve
+            from qevolve_cli.evolve.config import resolve_with_origin
             from qevolve_cli.evolve.loop import run_evolve
             from qevolve_cli.evolve.report import print_table
 
@@ -65,9 +85,13 @@ def register(app: typer.Typer) -> None:
                 overrides["init_model"] = None
             from qevolve_cli.models.hub import resolve_model
 
-            cfg = naming_flags(lambda: resolve(env, preset, config, overrides), flag_names(
-                {k: v for k, v in overrides.items() if k != "init_model"},
-                rename={"start_policy": "--policy", "expert_data": "--expert"}))
+            names = flag_names({k: v for k, v in overrides.items() if k != "init_model"},
+                               rename={"start_policy": "--policy", "expert_data": "--expert"})
+            cfg, origin = naming_flags(lambda: resolve_with_origin(env, preset, config, overrides,
+                                                                   {**names, "init_model": "--model"}), names)
+            if print_cfg:
+                return print_config(evolve_rows(cfg, origin), f"qevolve evolve --env {env} --preset {preset}: "
+                                    "resolved config (field, value, set by); stages per iteration", json_out)
             if model:
                 cfg = cfg.replace(model=resolve_model(model, "--model"))
             if cfg.start_policy:

@@ -9,11 +9,11 @@ import typer
 from qevolve_cli.commands.common import (
     ConfigOpt,
     JsonOpt,
-    OutOpt,
+    PrintConfigOpt,
     QuietOpt,
     emit_json,
-    flag_names,
-    naming_flags,
+    print_config,
+    require,
     run_command,
 )
 
@@ -40,8 +40,10 @@ Examples:
 def register(app: typer.Typer) -> None:
     @app.command("label", help=HELP)
     def label(
-        inputs: Annotated[list[Path], typer.Argument(help="Input step tables (Parquet).", show_default=False)],
-        out: OutOpt,
+        inputs: Annotated[list[Path] | None, typer.Argument(help="Input step tables (Parquet). Required.",
+                                                            show_default=False)] = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Output path (written atomically). "
+                                                 "Required.")] = None,
         tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory: add pos_s/pos_sa/pos_next.")] = None,
         critic: Annotated[Path | None, typer.Option("--critic", help="Critic directory: add value/next_value/advantage.")] = None,
         config: ConfigOpt = None,
@@ -51,19 +53,23 @@ def register(app: typer.Typer) -> None:
         value_source: Annotated[str | None, typer.Option(
             "--value-source", help="value/next_value from: critic (default; --critic), oracle (exact V* of the "
                                    "env's solver: lamps, lamps-hard), tabular_iql (exact IQL on the table).")] = None,
+        print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         def body() -> None:
-            from qevolve_cli.config import load_config
+            from qevolve_cli.config import file_layers, flag_layer, resolve_layers
             from qevolve_cli.labeling import LabelConfig, label_tables
 
-            overrides = {"advantage": advantage, "retrospective": retrospective, "max_length": max_length,
-                         "value_source": value_source}
-            cfg = naming_flags(lambda: load_config(
-                LabelConfig, config, section="label" if config and _has_section(config, "label") else None,
-                overrides=overrides,
-            ), flag_names(overrides, rename={"retrospective": "--retrospective/--no-retrospective"}))
+            flags = flag_layer({"advantage": advantage, "retrospective": retrospective, "max_length": max_length,
+                                "value_source": value_source},
+                               rename={"retrospective": "--retrospective/--no-retrospective"})
+            res = resolve_layers(LabelConfig, file_layers(
+                config, "label" if config and _has_section(config, "label") else None) + [flags])
+            if print_cfg:
+                return print_config(res.rows(), "qevolve label: resolved config (field, value, set by)", json_out)
+            require({"INPUTS": inputs, "--out": out})
+            cfg = res.config
             from qevolve_cli.models.hub import resolve_model
 
             tok = resolve_model(tokenizer, "--tokenizer")

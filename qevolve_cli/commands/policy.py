@@ -11,12 +11,13 @@ from qevolve_cli.commands.common import (
     EpochsOpt,
     JsonOpt,
     LrOpt,
+    PrintConfigOpt,
     QuietOpt,
     SetOpt,
     emit_json,
-    flag_names,
-    naming_flags,
     parse_sets,
+    print_config,
+    require,
     run_command,
 )
 
@@ -58,34 +59,44 @@ Examples:
 def register(app: typer.Typer) -> None:
     @app.command("policy", help=HELP)
     def policy(
-        data: Annotated[list[Path], typer.Option("--data", help="Trajectory table (Parquet); repeat to stack several.")],
-        model: Annotated[Path, typer.Option("--model", help="Initial policy: HF model directory or LoRA adapter.")],
-        out: Annotated[Path, typer.Option("--out", "-o", help="Output model directory (written atomically).")],
+        data: Annotated[list[Path] | None, typer.Option("--data", help="Trajectory table (Parquet); repeat to stack "
+                                                        "several. Required.")] = None,
+        model: Annotated[Path | None, typer.Option("--model", help="Initial policy: HF model directory or LoRA "
+                                                   "adapter. Required.")] = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Output model directory (written atomically). "
+                                                 "Required.")] = None,
         objective: Annotated[str | None, typer.Option("--objective", help="bc, bppo, awr, rft or dpo (default: the "
                                                       "config's objective, bc).")] = None,
         ref: Annotated[Path | None, typer.Option("--ref", help="Reference policy for the KL (default: --model).")] = None,
         config: ConfigOpt = None,
-        preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file "
-                                                   "(default file configs/policy.yaml).")] = None,
+        preset: Annotated[str | None, typer.Option("--preset", help="Named preset of the config file (default file "
+                                                   "configs/policy.yaml), or of configs/presets/ (cpu, smoke, "
+                                                   "sciworld_iter2, ...: what `qevolve evolve` gives this stage).")] = None,
         sets: SetOpt = None,
         epochs: EpochsOpt = None,
         lr: LrOpt = None,
         lora: Annotated[bool | None, typer.Option("--lora/--full", help="Train a LoRA adapter or all weights.")] = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Random seed.")] = None,
+        print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         def body():
             from qevolve_cli.commands.common import check_choice
-            from qevolve_cli.policy.config import OBJECTIVES, load_policy_config
+            from qevolve_cli.config import flag_layer, resolve_layers, set_layer
+            from qevolve_cli.policy.config import OBJECTIVES, PolicyConfig, policy_layers
 
             if objective is not None:
                 check_choice(objective, OBJECTIVES, "--objective")
-            flags = {"objective": objective, "epochs": epochs, "lr": lr, "lora": lora, "seed": seed}
             set_values = parse_sets(sets)
-            overrides = {**set_values, **{k: v for k, v in flags.items() if v is not None}}
-            cfg = naming_flags(lambda: load_policy_config(config, preset, overrides),
-                               flag_names(flags, set_values, {"lora": "--lora/--full"}))
+            flags = flag_layer({"objective": objective, "epochs": epochs, "lr": lr, "lora": lora, "seed": seed},
+                               {"lora": "--lora/--full"})
+            res = resolve_layers(PolicyConfig, policy_layers(config, preset, objective or set_values.get("objective"))
+                                 + [set_layer(set_values), flags])
+            if print_cfg:
+                return print_config(res.rows(), "qevolve policy: resolved config (field, value, set by)", json_out)
+            require({"--data": data, "--model": model, "--out": out})
+            cfg = res.config
             from qevolve_cli.lock import hold_output
             from qevolve_cli.models.hub import resolve_model
             from qevolve_cli.policy.trainer import train_policy

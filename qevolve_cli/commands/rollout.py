@@ -8,18 +8,18 @@ from typing import Annotated, Any
 import typer
 
 from qevolve_cli.commands.common import (
+    ENVS,
     ConfigOpt,
-    EnvOpt,
     JsonOpt,
-    OutOpt,
     PrecisionOpt,
+    PrintConfigOpt,
     QuietOpt,
     ShardOpt,
     emit_json,
-    flag_names,
-    naming_flags,
     precision_dtype,
+    print_config,
     progress,
+    require,
     run_command,
     stderr_console,
 )
@@ -48,8 +48,10 @@ Examples:
   qevolve rollout --env alfworld --policy runs/bc/policy --backend vllm --shard $NODE/4 --out self_$NODE.parquet
 """
 
-PolicyOpt = Annotated[str, typer.Option("--policy", help="Policy model: a Hugging Face model directory (or the "
-                                        "model name served at --base-url).")]
+PolicyOpt = Annotated[str | None, typer.Option("--policy", help="Policy model: a Hugging Face model directory (or "
+                                               "the model name served at --base-url). Required.")]
+EnvReqOpt = Annotated[str | None, typer.Option("--env", help=f"Environment: {', '.join(ENVS)}. Required.")]
+OutReqOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Output path (written atomically). Required.")]
 AdapterOpt = Annotated[Path | None, typer.Option("--adapter", help="PEFT LoRA adapter directory on top of --policy.")]
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="Generation backend: hf, vllm, openai.")]
 BaseUrlOpt = Annotated[str | None, typer.Option("--base-url", help="OpenAI-compatible server, e.g. "
@@ -65,15 +67,14 @@ MaxStepsOpt = Annotated[int | None, typer.Option("--max-steps", help="Turns per 
 IterationOpt = Annotated[int | None, typer.Option("--iteration", help="Evolving iteration recorded in the table.")]
 
 
-def resolve_config(config: Path | None, overrides: dict[str, Any], rename: dict[str, str] | None = None):
-    from qevolve_cli.config import load_config, load_yaml
+def resolve_config(config: Path | None, flags: dict[str, Any], rename: dict[str, str] | None = None):
+    """The RolloutConfig of `rollout` / `eval` (:class:`qevolve_cli.config.Resolved`): defaults, ``--config``
+    (a flat file or its ``rollout:`` section), then the flags (``None`` = not given)."""
+    from qevolve_cli.config import file_layers, flag_layer, load_yaml, resolve_layers
     from qevolve_cli.rollout.config import RolloutConfig
 
-    section = None
-    if config is not None and "rollout" in load_yaml(config):
-        section = "rollout"
-    return naming_flags(lambda: load_config(RolloutConfig, config, section=section, overrides=overrides),
-                        flag_names(overrides, rename=rename))
+    section = "rollout" if config is not None and "rollout" in load_yaml(config) else None
+    return resolve_layers(RolloutConfig, file_layers(config, section) + [flag_layer(flags, rename)])
 
 
 def resolve_policy(cfg, policy: str, adapter: Path | None):
@@ -127,9 +128,9 @@ class ProgressView:
 def register(app: typer.Typer) -> None:
     @app.command("rollout", help=HELP)
     def rollout(
-        env: EnvOpt,
-        policy: PolicyOpt,
-        out: OutOpt,
+        env: EnvReqOpt = None,
+        policy: PolicyOpt = None,
+        out: OutReqOpt = None,
         split: Annotated[str | None, typer.Option("--split", help="Task split: train, test_seen, test_unseen, test.")] = None,
         adapter: AdapterOpt = None,
         n_per_task: Annotated[int | None, typer.Option("--n-per-task", help="Trajectories per task (paper: 3).")] = None,
@@ -149,20 +150,24 @@ def register(app: typer.Typer) -> None:
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted rollout from OUT.partial/journal.jsonl.")] = False,
         shard: ShardOpt = None,
         config: ConfigOpt = None,
+        print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         def body() -> None:
             from qevolve_cli.rollout.loop import run_rollout
 
-            cfg = resolve_config(config, {
+            resolved = resolve_config(config, {
                 "env": env, "split": split, "n_per_task": n_per_task, "temperature": temperature,
                 "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes,
                 "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
                 "shard": shard, "dtype": precision_dtype(precision),
             }, rename={"dtype": "--precision"})
-            cfg, pol, adp = resolve_policy(cfg, policy, adapter)
+            if print_cfg:
+                return print_config(resolved.rows(), "qevolve rollout: resolved config (field, value, set by)", json_out)
+            require({"--env": env, "--policy": policy, "--out": out})
+            cfg, pol, adp = resolve_policy(resolved.config, policy, adapter)
             sigterm_as_interrupt()
             try:
                 with ProgressView(f"rollout {cfg.env}/{cfg.split}", quiet) as view:

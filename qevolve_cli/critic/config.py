@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qevolve_cli.config import ConfigBase, field, load_preset_config
+from qevolve_cli.config import ConfigBase, field
 from qevolve_cli.errors import ConfigError
 from qevolve_cli.rewards import CRITIC_REDUCTIONS
 
@@ -111,11 +111,23 @@ def default_config_path():
     return configs_dir() / "critic.yaml"
 
 
+def critic_layers(path: Any = None, preset: str | None = None) -> list:
+    """The YAML layers of a critic config (:func:`qevolve_cli.config.stage_preset_layers`)."""
+    from qevolve_cli.config import stage_preset_layers
+
+    return stage_preset_layers(path, preset, default_config_path(), ("critic",))
+
+
 def load_critic_config(path: Any = None, preset: str | None = None,
                        overrides: dict[str, Any] | None = None) -> CriticConfig:
     """``path`` (a flat mapping, or a file of named presets like ``configs/critic.yaml``) + ``preset`` + overrides.
 
     Without ``path`` the defaults of :class:`CriticConfig` apply (= the paper's iteration 1), unless a
-    ``preset`` is named, which is then looked up in ``configs/critic.yaml``. Every preset inherits ``default``.
+    ``preset`` is named, which is then looked up in ``configs/critic.yaml`` (every preset inherits ``default``)
+    or, failing that, in ``configs/presets/`` (``cpu``, ``sciworld_iter2``: the critic stage of
+    ``qevolve evolve --preset NAME``).
     """
-    return load_preset_config(CriticConfig, path, preset, overrides, default_config_path())
+    from qevolve_cli.config import Layer, resolve_layers
+
+    layers = critic_layers(path, preset) + [Layer("overrides", overrides or {}, keep_none=False)]
+    return resolve_layers(CriticConfig, layers).config

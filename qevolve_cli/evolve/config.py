@@ -13,11 +13,12 @@ resolved, before any work starts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
+from qevolve_cli.config import ConfigBase, configs_dir, default_layer_name, field, load_yaml, scale_parts
 from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import ConfigError
 from qevolve_cli.precision import DTYPE_OF
@@ -96,10 +97,41 @@ class EvolveConfig(ConfigBase):
 
     # ---------------------------------------------------------------- stage configs
     def section(self, name: str, iteration: int) -> dict[str, Any]:
-        base = copy.deepcopy(getattr(self, name))
-        if name != "bc" and 1 <= iteration <= len(self.iterations):
-            base.update(self.iterations[iteration - 1].get(name, {}))
+        """The overrides of stage ``name`` at ``iteration`` (the rule of :func:`qevolve_cli.config.scale_parts`,
+        which `qevolve policy/critic --preset` follow too)."""
+        base: dict[str, Any] = {}
+        for _, part in scale_parts({name: getattr(self, name), "iterations": self.iterations}, name, iteration):
+            base.update(copy.deepcopy(part))
         return base
+
+    def stage_origin(self, name: str, iteration: int, origin: dict[tuple, str]) -> dict[str, str]:
+        """For each field of :meth:`stage` ``(name, iteration)``: the layer that set it (``origin`` from
+        :func:`resolve_with_origin`); what evolve itself supplies (objective, seed, env) is named so."""
+        cfg = self.stage(name, iteration)
+        implied = {"bc": {"objective": "the bc stage", "seed": "seed"},
+                   "policy": {"objective": "the policy stage (bppo)", "seed": "seed"},
+                   "rollout": {"env": "env", "iteration": "the iteration", "seed": "seed + 1000 x iteration"},
+                   "critic": {"seed": "seed"}, "label": {}}[name]
+        out = {}
+        for f in dataclasses.fields(cfg):
+            key = None
+            if name != "bc" and 1 <= iteration <= len(self.iterations) and f.name in self.iterations[iteration - 1].get(name, {}):
+                key = ("iterations", iteration - 1, name, f.name)
+            elif f.name in getattr(self, name):
+                key = (name, f.name)
+            switched = "precision" if name in ("bc", "policy") else "dtype" if name in ("rollout", "critic") else None
+            if self.precision != "auto" and f.name == switched:  # the one precision switch wins (stage())
+                out[f.name] = f"evolve: precision ({origin.get(('precision',), 'resolved config')})"
+            elif key is not None and not (name == "bc" and f.name == "objective"):
+                part = f"iterations[{key[1]}].{name}" if key[0] == "iterations" else name
+                out[f.name] = f"{origin.get(key, 'resolved config')}, {part}"
+            elif f.name in implied:
+                what = implied[f.name]
+                top = {"seed": ("seed",), "env": ("env",)}.get(f.name, None) if what in ("seed", "env") else None
+                out[f.name] = f"evolve: {what}" + (f" ({origin[top]})" if top and top in origin else "")
+            else:
+                out[f.name] = default_layer_name(type(cfg))
+        return out
 
     def stage(self, name: str, iteration: int = 1):
         """The validated stage config of ``name`` for ``iteration``."""
@@ -141,19 +173,37 @@ class EvolveConfig(ConfigBase):
         raise KeyError(name)
 
 
-def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """``b`` over ``a``: mappings merge recursively, ``iterations`` lists merge entry by entry."""
+def deep_merge(a: dict[str, Any], b: dict[str, Any], origin: dict[tuple, str] | None = None,
+               name: str = "", path: tuple = ()) -> dict[str, Any]:
+    """``b`` over ``a``: mappings merge recursively, ``iterations`` lists merge entry by entry.
+
+    ``origin``: records ``name`` as the layer of every value ``b`` sets, keyed by its path
+    (``("policy", "lr")``, ``("iterations", 0, "critic", "epochs")``)."""
     out = copy.deepcopy(a)
     for k, v in b.items():
+        here = (*path, k)
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v, origin, name, here)
         elif k == "iterations" and isinstance(v, list) and isinstance(out.get(k), list):
             old = out[k]
-            out[k] = [deep_merge(old[i] if i < len(old) else {}, v[i] if i < len(v) else {})
+            out[k] = [deep_merge(old[i] if i < len(old) else {}, v[i] if i < len(v) else {}, origin, name, (*here, i))
                       for i in range(max(len(old), len(v)))]
         else:
             out[k] = copy.deepcopy(v)
+            if origin is not None:
+                _record(origin, name, here, v)
     return out
+
+
+def _record(origin: dict[tuple, str], name: str, path: tuple, v: Any) -> None:
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _record(origin, name, (*path, k), x)
+    elif path[-1:] == ("iterations",) and isinstance(v, list):
+        for i, x in enumerate(v):
+            _record(origin, name, (*path, i), x)
+    else:
+        origin[path] = name
 
 
 def preset_path(name: str) -> Path:
@@ -166,18 +216,32 @@ def preset_path(name: str) -> Path:
 def resolve(env: str, preset: str = "paper", config_file: str | Path | None = None,
             overrides: dict[str, Any] | None = None) -> EvolveConfig:
     """Env preset, then scale preset, then config file, then flags -> validated EvolveConfig."""
+    return resolve_with_origin(env, preset, config_file, overrides)[0]
+
+
+def resolve_with_origin(env: str, preset: str = "paper", config_file: str | Path | None = None,
+                        overrides: dict[str, Any] | None = None, flags: dict[str, str] | None = None
+                        ) -> tuple[EvolveConfig, dict[tuple, str]]:
+    """:func:`resolve`, and the layer that set each value, by path (``("policy", "lr")``); ``flags`` names
+    the command-line flag of an override key (``{"iters": "--iters"}``)."""
     if env not in ENVS:
         raise ConfigError(None, "env", f"unknown environment {env!r} (choose from {', '.join(ENVS)})")
     if preset not in SCALES:
         raise ConfigError(None, "preset", f"unknown preset {preset!r} (choose from {', '.join(SCALES)})")
-    data = load_yaml(preset_path(env))
+    origin: dict[tuple, str] = {}
+    data = deep_merge({}, load_yaml(preset_path(env)), origin, f"preset {env} (configs/presets/{env}.yaml)")
     if preset != "paper":
         scale = load_yaml(preset_path(preset))
         # a scale preset may hold env-specific parts under `envs: {<env>: {...}}`
         per_env = scale.pop("envs", {}).get(env, {})
-        data = deep_merge(deep_merge(data, scale), per_env)
+        rel = f"configs/presets/{preset}.yaml"
+        data = deep_merge(data, scale, origin, f"preset {preset} ({rel})")
+        data = deep_merge(data, per_env, origin, f"preset {preset} ({rel}: envs.{env})")
     if config_file is not None:
-        data = deep_merge(data, load_yaml(config_file))
-    data = deep_merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
+        data = deep_merge(data, load_yaml(config_file), origin, str(config_file))
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    for k, v in given.items():
+        data = deep_merge(data, {k: v}, origin, (flags or {}).get(k, "--" + k.replace("_", "-")))
     data["env"], data["preset"] = env, preset
-    return EvolveConfig.from_dict(data, source=config_file or f"preset {env}/{preset}")
+    origin[("env",)], origin[("preset",)] = "--env", "--preset"
+    return EvolveConfig.from_dict(data, source=config_file or f"preset {env}/{preset}"), origin

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qevolve_cli.config import ConfigBase, configs_dir, field, load_preset_config
+from qevolve_cli.config import ConfigBase, configs_dir, field
 from qevolve_cli.errors import ConfigError
 
 OBJECTIVES = ("bc", "bppo", "awr", "rft", "dpo")
@@ -107,12 +107,31 @@ def default_config_path() -> Path:
     return configs_dir() / "policy.yaml"
 
 
+def preset_stage(preset: str | None, objective: str | None) -> str:
+    """The evolve stage a ``--preset`` of ``configs/presets/`` gives ``qevolve policy``: ``bc`` (the BC warm-up)
+    for bc and rft (RFT trains with the BC settings, as ``qevolve compare`` does), unless the preset names an
+    iteration (``sciworld_iter1``); else ``policy`` (the BPPO stage, also for awr and dpo)."""
+    return "bc" if objective in (None, "bc", "rft") and "_iter" not in (preset or "") else "policy"
+
+
+def policy_layers(path: str | Path | None = None, preset: str | None = None, objective: str | None = None) -> list:
+    """The YAML layers of a policy config (:func:`qevolve_cli.config.stage_preset_layers`)."""
+    from qevolve_cli.config import stage_preset_layers
+
+    stage = preset_stage(preset, objective)
+    return stage_preset_layers(path, preset, default_config_path(), (stage,),
+                               implied={"objective": "bppo"} if stage == "policy" else None)
+
+
 def load_policy_config(path: str | Path | None = None, preset: str | None = None,
                        overrides: dict[str, Any] | None = None) -> PolicyConfig:
     """Load a policy config: ``path`` (a flat mapping, or a file of named presets) + ``preset`` + overrides.
 
-    A presets file (like ``configs/policy.yaml``) maps names to partial
-    configs; without ``preset`` its ``default`` section is used. Every preset
-    inherits the ``default`` section.
+    A presets file (like ``configs/policy.yaml``) maps names to partial configs; without ``preset`` its
+    ``default`` section is used, and every preset inherits it. A preset of ``configs/presets/`` (``cpu``,
+    ``sciworld_iter2``) gives the stage what ``qevolve evolve`` gives it (:func:`preset_stage`).
     """
-    return load_preset_config(PolicyConfig, path, preset, overrides, default_config_path())
+    from qevolve_cli.config import Layer, resolve_layers
+
+    layers = policy_layers(path, preset, (overrides or {}).get("objective"))
+    return resolve_layers(PolicyConfig, layers + [Layer("overrides", overrides or {}, keep_none=False)]).config

@@ -1,0 +1,150 @@
+"""One source of truth for every default (the dataclasses), presets that only override, one meaning of
+`--preset NAME` for `qevolve policy` / `qevolve critic` and `qevolve evolve`, `--print-config` naming the
+layer of every value, and errors naming the layer that set the bad value (docs/commands.md)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qevolve_cli.cli import app
+from qevolve_cli.config import configs_dir, load_yaml
+from qevolve_cli.critic.config import CriticConfig, load_critic_config
+from qevolve_cli.env_names import ENV_NAMES
+from qevolve_cli.evolve.compare import CompareConfig
+from qevolve_cli.evolve.config import SCALES, resolve, resolve_with_origin
+from qevolve_cli.policy.config import PolicyConfig, load_policy_config
+from qevolve_cli.rollout.config import RolloutConfig
+
+runner = CliRunner()
+SCALE_PRESETS = [s for s in SCALES if s != "paper"]
+
+
+def test_stage_preset_files_hold_no_copy_of_the_defaults():
+    for name, cls in (("policy.yaml", PolicyConfig), ("critic.yaml", CriticConfig)):
+        data = load_yaml(configs_dir() / name)
+        assert data["default"] == {}, f"configs/{name}: defaults live in {cls.__name__} only"
+        for preset in data:  # every preset names known fields with valid values
+            (load_policy_config if cls is PolicyConfig else load_critic_config)(preset=preset)
+
+
+@pytest.mark.parametrize("name,cls", [("rollout.yaml", RolloutConfig), ("compare.yaml", CompareConfig)])
+def test_flat_example_files_equal_the_dataclass_defaults(name, cls):
+    """configs/rollout.yaml and configs/compare.yaml show every field with its default: the same keys, the
+    same values as the dataclass (a changed default fails here until the file follows)."""
+    data = load_yaml(configs_dir() / name)
+    assert list(data) == [f.name for f in dataclasses.fields(cls)]
+    assert cls.from_dict(data) == cls()
+
+
+@pytest.mark.parametrize("env", ENV_NAMES)
+def test_paper_presets_give_stage_commands_and_evolve_the_same_configs(env):
+    """`qevolve policy/critic --preset ENV_iterK` (and `--preset ENV` for bc) == what `qevolve evolve --env ENV`
+    trains at iteration K, field by field."""
+    cfg = resolve(env, "paper", overrides={"model": "m"})
+    assert load_policy_config(preset=env) == cfg.stage("bc", 0)
+    for k in range(1, cfg.iters + 1):
+        assert load_policy_config(preset=f"{env}_iter{k}") == cfg.stage("policy", k), k
+        assert load_critic_config(preset=f"{env}_iter{k}") == cfg.stage("critic", k), k
+
+
+def test_critic_iteration_presets_are_the_sciworld_and_webshop_values():
+    for k in (1, 2):
+        assert load_critic_config(preset=f"iter{k}") == load_critic_config(preset=f"sciworld_iter{k}") \
+            == load_critic_config(preset=f"webshop_iter{k}")
+
+
+@pytest.mark.parametrize("scale", SCALE_PRESETS)
+def test_scale_preset_means_the_same_numbers_for_stage_commands_and_evolve(scale):
+    """`--preset cpu` (smoke, cpu-smol): every value the scale preset sets for `qevolve policy` (bc with bc/rft,
+    the policy stage with bppo/awr/dpo), `qevolve critic` and their `_iterK` forms is the value `qevolve evolve
+    --preset cpu` trains with, in every environment; where they differ, the preset's `envs: {ENV: ...}` block
+    says so (tests below show the lamps learning-check values)."""
+    from qevolve_cli.config import resolve_layers
+    from qevolve_cli.critic.config import critic_layers
+    from qevolve_cli.policy.config import policy_layers
+
+    iterations = len(load_yaml(configs_dir() / "presets" / f"{scale}.yaml").get("iterations", [])) or 1
+    checked = 0
+    for env in ENV_NAMES:
+        ecfg, origin = resolve_with_origin(env, scale, overrides={"model": "m"})
+        ecfg = ecfg.replace(iters=iterations)
+        cases = [("bc", 0, PolicyConfig, policy_layers(None, scale, "bc"))]
+        for k in range(1, iterations + 1):
+            name = f"{scale}_iter{k}"
+            cases += [("policy", k, PolicyConfig, policy_layers(None, name, "bppo")),
+                      ("critic", k, CriticConfig, critic_layers(None, name))]
+        for stage, k, cls, layers in cases:
+            mine = resolve_layers(cls, layers)
+            theirs, where = ecfg.stage(stage, k), ecfg.stage_origin(stage, k, origin)
+            for f, value, layer in mine.rows():
+                if not layer.startswith(f"preset {scale}"):
+                    continue
+                checked += 1
+                if f"envs.{env}" in where[f]:
+                    continue  # the preset's per-environment block: a documented difference
+                assert getattr(theirs, f) == value, (env, stage, k, f, value, getattr(theirs, f), where[f])
+    assert checked > 100
+
+
+def test_cpu_preset_keeps_the_measured_learning_check_values():
+    """docs/learning_check.md: lamps under --preset cpu trains BPPO at 1e-4 then 5e-5 and the critic 6 epochs;
+    the same preset without an environment (qevolve policy --preset cpu --objective bppo) is the generic 2e-4."""
+    cfg = resolve("lamps", "cpu")
+    assert [cfg.stage("policy", k).lr for k in (1, 2)] == [1e-4, 5e-5]
+    assert [cfg.stage("critic", k).epochs for k in (1, 2)] == [6, 6]
+    assert load_policy_config(preset="cpu", overrides={"objective": "bppo"}).lr == 2e-4
+    assert load_policy_config(preset="cpu").lr == cfg.stage("bc", 0).lr == 2e-3
+
+
+def test_print_config_names_the_layer_of_every_value():
+    r = runner.invoke(app, ["policy", "--preset", "cpu", "--objective", "bppo", "--set", "lr=3e-4", "--epochs", "4",
+                            "--print-config", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["config"]["lr"] == 3e-4 and d["origin"]["lr"] == "--set lr"
+    assert d["origin"]["epochs"] == "--epochs" and d["origin"]["objective"] == "--objective"
+    assert d["origin"]["max_length"] == "preset cpu (configs/presets/cpu.yaml: policy)"
+    assert d["origin"]["old_refresh_steps"] == "preset cpu (configs/presets/cpu.yaml: iterations[0].policy)"
+    assert d["origin"]["kl_coef"] == "default (PolicyConfig)"
+    assert set(d["config"]) == {f.name for f in dataclasses.fields(PolicyConfig)}
+    text = runner.invoke(app, ["critic", "--preset", "iter2", "--print-config"]).stdout
+    assert any(line.split()[:2] == ["lr", "5e-06"] and line.endswith("critic.yaml (preset iter2)")
+               for line in text.splitlines()), text
+    ev = runner.invoke(app, ["evolve", "--env", "lamps", "--preset", "cpu", "--print-config", "--json"])
+    assert ev.exit_code == 0, ev.output
+    d = json.loads(ev.stdout)
+    assert d["config"]["policy (iteration 2)"]["lr"] == 5e-5
+    assert d["origin"]["policy (iteration 2)"]["lr"] == \
+        "preset cpu (configs/presets/cpu.yaml: envs.lamps), iterations[1].policy"
+    assert d["origin"]["bc"]["objective"] == "evolve: the bc stage"
+    assert d["origin"]["init_model"] == "preset cpu (configs/presets/cpu.yaml)"
+    for cmd in (["rollout", "--max-tasks", "3"], ["eval"], ["label"], ["compare"]):
+        r = runner.invoke(app, [*cmd, "--print-config", "--json"])
+        assert r.exit_code == 0, (cmd, r.output)
+        assert "default (" in json.dumps(json.loads(r.stdout)["origin"])
+
+
+def test_errors_name_the_layer_that_set_the_value(tmp_path):
+    def err(*args):
+        r = runner.invoke(app, list(map(str, args)))
+        assert r.exit_code == 2, r.output
+        return r.output.strip()
+
+    assert err("compare", "--set", "arms=rft") == \
+        "error: --set arms: expected a list, got 'rft' (write --set 'arms=[rft]')"
+    assert err("critic", "--set", "weighted=maybe", "--print-config") == \
+        "error: --set weighted: expected true/false, got 'maybe' (write --set weighted=true or --set weighted=false)"
+    assert err("policy", "--preset", "cpu", "--set", "lr=-1", "--print-config") == "error: --set lr: must be > 0, got -1.0"
+    presets = tmp_path / "mine.yaml"
+    presets.write_text("default: {epochs: 2}\nfast: {lr: -1}\n")
+    assert err("policy", "--config", presets, "--preset", "fast", "--print-config") == \
+        f"error: {presets} (preset fast): field 'lr': must be > 0, got -1.0"
+    assert err("policy", "--config", presets, "--preset", "fast", "--lr", "0.1", "--data", "d", "--model", "m") == \
+        "error: missing option --out (required unless --print-config)"
+    flat = tmp_path / "r.yaml"
+    flat.write_text("rollout: {n_per_task: 0}\n")
+    assert err("rollout", "--config", flat, "--print-config") == f"error: {flat} (rollout): field 'n_per_task': must be >= 1, got 0"
+    assert err("critic", "--preset", "nope") .startswith("error: ") and "no such preset" in err("critic", "--preset", "nope")

@@ -15,8 +15,6 @@ from qevolve_cli.commands.common import (
     ShardOpt,
     emit_json,
     precision_dtype,
-    print_config,
-    require,
     run_command,
 )
 from qevolve_cli.commands.rollout import (
@@ -33,9 +31,7 @@ from qevolve_cli.commands.rollout import (
     PolicyOpt,
     ProgressView,
     WorkersOptN,
-    resolve_config,
-    resolve_policy,
-    sigterm_as_interrupt,
+    prepare,
 )
 
 HELP = """Evaluate a policy on a split: one greedy trajectory per task.
@@ -139,20 +135,18 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.atomic import write_json
             from qevolve_cli.rollout.evaluate import run_eval
 
-            res = resolve_config(config, {
+            ready = prepare("eval", config, {
                 "env": env, "split": split, "max_tasks": max_tasks,
                 ("temperature" if best_of > 1 else "eval_temperature"): temperature,
                 "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
                 "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
                 "candidates": candidates, "shard": shard, "dtype": precision_dtype(precision),
-            }, rename={"eval_temperature": "--temperature", "dtype": "--precision"})
-            if print_cfg:
-                return print_config(res.rows(), "qevolve eval: resolved config (field, value, set by)", json_out)
-            require({"--env": env, "--policy": policy, "--split": split})
-            cfg = res.config
+            }, print_cfg=print_cfg, json_out=json_out, required={"--env": env, "--policy": policy, "--split": split},
+                policy=policy, adapter=adapter, rename={"eval_temperature": "--temperature"})
+            if ready is None:
+                return
+            cfg, pol, adp = ready
             dest = out or Path(f"eval_{cfg.env}_{cfg.split}{shard_suffix(cfg.shard)}.parquet")
-            cfg, pol, adp = resolve_policy(cfg, policy, adapter)
-            sigterm_as_interrupt()
             with ProgressView(f"eval {cfg.env}/{cfg.split}", quiet) as view:
                 m = run_eval(cfg, pol, dest, adapter=adp, critic=critic, best_of=best_of, resume=resume,
                              on_progress=view)

@@ -77,6 +77,22 @@ def resolve_config(config: Path | None, flags: dict[str, Any], rename: dict[str,
     return resolve_layers(RolloutConfig, file_layers(config, section) + [flag_layer(flags, rename)])
 
 
+def prepare(command: str, config: Path | None, flags: dict[str, Any], *, print_cfg: bool, json_out: bool,
+            required: dict[str, Any], policy: str | None, adapter: Path | None,
+            rename: dict[str, str] | None = None):
+    """What `rollout` and `eval` do before playing: resolve the config (:func:`resolve_config`); with
+    ``--print-config`` print it and return ``None``; else check the ``required`` options, resolve the policy
+    (:func:`resolve_policy`) and let SIGTERM end the run like Ctrl-C. Returns ``(cfg, policy, adapter)``."""
+    resolved = resolve_config(config, flags, {"dtype": "--precision", **(rename or {})})
+    if print_cfg:
+        print_config(resolved.rows(), f"qevolve {command}: resolved config (field, value, set by)", json_out)
+        return None
+    require(required)
+    out = resolve_policy(resolved.config, policy, adapter)
+    sigterm_as_interrupt()
+    return out
+
+
 def resolve_policy(cfg, policy: str, adapter: Path | None):
     """``--policy`` / ``--adapter`` -> local paths (a Hub id through the HF cache), and the config that serves them.
 
@@ -157,18 +173,17 @@ def register(app: typer.Typer) -> None:
         def body() -> None:
             from qevolve_cli.rollout.loop import run_rollout
 
-            resolved = resolve_config(config, {
+            ready = prepare("rollout", config, {
                 "env": env, "split": split, "n_per_task": n_per_task, "temperature": temperature,
                 "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes,
                 "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
                 "shard": shard, "dtype": precision_dtype(precision),
-            }, rename={"dtype": "--precision"})
-            if print_cfg:
-                return print_config(resolved.rows(), "qevolve rollout: resolved config (field, value, set by)", json_out)
-            require({"--env": env, "--policy": policy, "--out": out})
-            cfg, pol, adp = resolve_policy(resolved.config, policy, adapter)
-            sigterm_as_interrupt()
+            }, print_cfg=print_cfg, json_out=json_out, required={"--env": env, "--policy": policy, "--out": out},
+                policy=policy, adapter=adapter)
+            if ready is None:
+                return
+            cfg, pol, adp = ready
             try:
                 with ProgressView(f"rollout {cfg.env}/{cfg.split}", quiet) as view:
                     res = run_rollout(cfg, pol, out, adapter=adp, resume=resume, on_progress=view)

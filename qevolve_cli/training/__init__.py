@@ -66,7 +66,13 @@ from qevolve_cli.training.backends.deepspeed import (
     shutdown_distributed,
 )
 from qevolve_cli.training.backends.torch import AccelerateBackend, TorchBackend
-from qevolve_cli.training.batching import group_steps, token_budget_batches
+from qevolve_cli.training.batching import (
+    BATCH_LAYOUTS,
+    group_steps,
+    padding_fraction,
+    per_sequence_layout,
+    token_budget_batches,
+)
 from qevolve_cli.training.checkpoints import (
     KILL_AFTER_CHECKPOINT,
     POINTER,
@@ -89,6 +95,7 @@ from qevolve_cli.training.checkpoints import (
 from qevolve_cli.training.loop import LossFn, lr_lambda, seed_everything, train_loop
 
 __all__ = [
+    "BATCH_LAYOUTS",
     "DS_STAGES",
     "KILL_AFTER_CHECKPOINT",
     "POINTER",
@@ -116,6 +123,8 @@ __all__ = [
     "make_backend",
     "mark_completed",
     "model_hidden_size",
+    "padding_fraction",
+    "per_sequence_layout",
     "read_checkpoint_pointer",
     "remove_checkpoint",
     "resolve_deepspeed_config",

@@ -125,7 +125,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 KV_COUNTERS = ("prompts", "prompt_tokens", "prefill_tokens", "kv_hits", "kv_partial", "kv_fallbacks", "kv_new",
-               "kv_evictions")
+               "kv_evictions", "generated_tokens")
 
 
 class KVStore:
@@ -291,6 +291,7 @@ class HFBackend(Backend):
                     if t in self.stop_ids:
                         cut = p
                         break
+                self.kv.counts["generated_tokens"] += cut
                 texts.append(self.tokenizer.decode(toks[:cut], skip_special_tokens=True).strip())
         res: list[list[str]] = [[] for _ in requests]
         for (i, _, _), t in zip(rows, texts, strict=True):

@@ -8,6 +8,7 @@ field. The resolved config is written into every output/run directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import types
@@ -91,14 +92,19 @@ def _coerce(value: Any, tp: Any, where: str, source: Any) -> Any:
     return value
 
 
+@functools.cache
+def _fields_of(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """A config class's resolved type hints and field names (typing.get_type_hints is slow: once per class)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
 @dataclasses.dataclass
 class ConfigBase:
     """Base class of all stage configs."""
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any], source: Any = None, prefix: str = "") -> T:
-        hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}
+        hints, names = _fields_of(cls)
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(source, prefix + unknown[0], f"unknown key (known: {', '.join(sorted(names))})")

@@ -3,6 +3,7 @@
 layer of every value, and errors naming the layer that set the bad value (docs/commands.md)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -28,6 +29,72 @@ def test_stage_preset_files_hold_no_copy_of_the_defaults():
         assert data["default"] == {}, f"configs/{name}: defaults live in {cls.__name__} only"
         for preset in data:  # every preset names known fields with valid values
             (load_policy_config if cls is PolicyConfig else load_critic_config)(preset=preset)
+
+
+def test_stage_presets_set_only_what_differs_from_the_defaults():
+    for name, cls in (("policy.yaml", PolicyConfig), ("critic.yaml", CriticConfig)):
+        default = cls()
+        for preset, values in load_yaml(configs_dir() / name).items():
+            copies = [k for k, v in values.items() if getattr(default, k) == v]
+            assert not copies, f"configs/{name}: preset {preset} repeats the default of {copies}"
+
+
+def _leaves(d: dict, path: tuple = ()):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, (*path, k))
+        elif k == "iterations" and isinstance(v, list):
+            for i, entry in enumerate(v):
+                yield from _leaves(entry, (*path, k, i))
+        else:
+            yield (*path, k)
+
+
+def _without(d: dict, path: tuple) -> dict:
+    d = copy.deepcopy(d)
+    cur = d
+    for p in path[:-1]:
+        cur = cur[p]
+    del cur[path[-1]]
+    return d
+
+
+def _trained_with(env: str, env_data: dict, scale: str, scale_data: dict | None):
+    """Everything `qevolve evolve --env ENV --preset SCALE` runs with: its own fields and every stage config of
+    every iteration (or the error a broken preset gives)."""
+    from qevolve_cli.evolve.config import STAGE_SECTIONS, EvolveConfig, merge_presets
+
+    try:
+        cfg = EvolveConfig.from_dict({**merge_presets(env, env_data, scale, scale_data), "env": env, "preset": scale,
+                                      "model": "m"})
+    except Exception as e:  # noqa: BLE001 - a removed key that breaks the config is not a copy
+        return repr(e)
+    own = {k: v for k, v in cfg.to_dict().items() if k not in (*STAGE_SECTIONS, "iterations")}
+    k_max = max(cfg.iters, len(cfg.iterations), 1)
+    return own, [cfg.stage(s, k) for k in range(k_max + 1) for s in STAGE_SECTIONS]
+
+
+def test_presets_hold_no_copy_of_a_value_the_layers_below_give():
+    """A value in configs/presets/*.yaml is there because it changes what some run trains with: dropping any
+    single one of them changes a resolved stage config of some environment x scale (else it is a copy of a
+    dataclass default or of another preset's value, which could drift from its source)."""
+    files = {p.stem: load_yaml(p) for p in (configs_dir() / "presets").glob("*.yaml")}
+    assert set(files) == set(ENV_NAMES) | set(SCALE_PRESETS)
+    copies = []
+    for name, data in files.items():
+        runs = ([(name, s) for s in ["paper", *SCALE_PRESETS]] if name in ENV_NAMES
+                else [(e, name) for e in ENV_NAMES])
+
+        def trained(env, scale, edited=None):
+            pick = lambda n: edited if (edited is not None and n == name) else files[n]  # noqa: E731
+            return _trained_with(env, pick(env), scale, pick(scale) if scale != "paper" else None)
+
+        base = {r: trained(*r) for r in runs}
+        for leaf in _leaves(data):
+            edited = _without(data, leaf)
+            if all(trained(*r, edited) == base[r] for r in runs):
+                copies.append(f"configs/presets/{name}.yaml: {'.'.join(map(str, leaf))}")
+    assert not copies, "values that change nothing (copies of a default or of a lower preset): " + ", ".join(copies)
 
 
 @pytest.mark.parametrize("name,cls", [("rollout.yaml", RolloutConfig), ("compare.yaml", CompareConfig)])

@@ -213,6 +213,20 @@ def preset_path(name: str) -> Path:
     return p
 
 
+def merge_presets(env: str, env_data: dict[str, Any], scale: str = "paper", scale_data: dict[str, Any] | None = None,
+                  origin: dict[tuple, str] | None = None) -> dict[str, Any]:
+    """The environment's preset, then the scale's, then the scale's ``envs: {<env>: {...}}`` block (the mappings
+    of ``configs/presets/<env>.yaml`` and ``<scale>.yaml``); ``origin`` records the layer of every value."""
+    data = deep_merge({}, env_data, origin, f"preset {env} (configs/presets/{env}.yaml)")
+    if scale_data is not None:
+        scale_data = dict(scale_data)
+        per_env = (scale_data.pop("envs", None) or {}).get(env, {})
+        rel = f"configs/presets/{scale}.yaml"
+        data = deep_merge(data, scale_data, origin, f"preset {scale} ({rel})")
+        data = deep_merge(data, per_env, origin, f"preset {scale} ({rel}: envs.{env})")
+    return data
+
+
 def resolve(env: str, preset: str = "paper", config_file: str | Path | None = None,
             overrides: dict[str, Any] | None = None) -> EvolveConfig:
     """Env preset, then scale preset, then config file, then flags -> validated EvolveConfig."""
@@ -229,14 +243,8 @@ def resolve_with_origin(env: str, preset: str = "paper", config_file: str | Path
     if preset not in SCALES:
         raise ConfigError(None, "preset", f"unknown preset {preset!r} (choose from {', '.join(SCALES)})")
     origin: dict[tuple, str] = {}
-    data = deep_merge({}, load_yaml(preset_path(env)), origin, f"preset {env} (configs/presets/{env}.yaml)")
-    if preset != "paper":
-        scale = load_yaml(preset_path(preset))
-        # a scale preset may hold env-specific parts under `envs: {<env>: {...}}`
-        per_env = scale.pop("envs", {}).get(env, {})
-        rel = f"configs/presets/{preset}.yaml"
-        data = deep_merge(data, scale, origin, f"preset {preset} ({rel})")
-        data = deep_merge(data, per_env, origin, f"preset {preset} ({rel}: envs.{env})")
+    data = merge_presets(env, load_yaml(preset_path(env)), preset,
+                         load_yaml(preset_path(preset)) if preset != "paper" else None, origin)
     if config_file is not None:
         data = deep_merge(data, load_yaml(config_file), origin, str(config_file))
     given = {k: v for k, v in (overrides or {}).items() if v is not None}

@@ -1,4 +1,5 @@
-"""Policy training data: one tokenised sequence per trajectory with per-token labels.
+"""Policy training data: the rows each objective trains on (:func:`load_policy_table`, one table or several),
+and one tokenised sequence per trajectory with per-token labels.
 
 Each trajectory is rendered once with the shared transcript builder
 (:func:`qevolve_cli.transcript.build_messages`, ending on its last action) and
@@ -24,12 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
 
 from qevolve_cli import transcript
 from qevolve_cli.errors import QevolveError, TableError
+from qevolve_cli.policy.config import PolicyConfig
 from qevolve_cli.react import action_char_span
 
 
@@ -281,3 +285,76 @@ def dpo_pairs(df: pl.DataFrame, anchor: str = "expert") -> tuple[list[tuple[str,
             counts["no_anchor"] += len(selfs)
         counts["tasks_with_pairs"] += int(len(pairs) > n0)
     return pairs, counts
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def data_paths(data) -> list[Path]:
+    """``--data``: one table or several (a list); returned as a list of paths."""
+    if isinstance(data, (str, Path)):
+        return [Path(data)]
+    paths = [Path(d) for d in data]
+    if not paths:
+        raise QevolveError("--data: no trajectory table given")
+    return paths
+
+
+def read_tables(data, require: tuple[str, ...] | list[str] = ()):
+    """Read and validate one or several tables; several are stacked (a trajectory id may appear in one only)."""
+    from qevolve_cli.schema import read_table
+
+    paths = data_paths(data)
+    frames, seen = [], set()
+    for p in paths:
+        df = read_table(p, require=require)
+        ids = set(df["traj_id"].unique().to_list())
+        dup = sorted(ids & seen)
+        if dup:
+            raise TableError(p, "traj_id", f"trajectory {dup[0]!r} also appears in an earlier --data table")
+        seen |= ids
+        frames.append(df)
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
+
+
+def load_policy_table(cfg: PolicyConfig, data):
+    """Read (one or several tables) and select the training rows of ``data`` for ``cfg.objective``.
+
+    -> (rows, info): ``info`` holds the rft counts or the dpo ``pairs`` and counts.
+    """
+    from qevolve_cli.schema import drop_failed
+
+    paths = data_paths(data)
+    where = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
+    need = ["advantage"] if cfg.objective in ("bppo", "awr") else []
+    df = read_tables(paths, need)
+    if cfg.drop_failed:
+        df = drop_failed(df)
+    info: dict[str, Any] = {}
+    if cfg.objective == "bc" and cfg.bc_source == "expert":
+        df = df.filter(pl.col("source") == "expert")
+        if df.height == 0:
+            raise TableError(where, "source", "no expert rows to clone (bc uses rows with source == 'expert')")
+    elif cfg.objective == "rft":
+        df, info = rft_select(df, cfg.rft_min_reward)
+        if df.height == 0:
+            raise TableError(where, "source", "no expert rows and no self trajectory with final reward >= "
+                             f"{cfg.rft_min_reward} (rft trains on these)")
+    elif cfg.objective == "dpo":
+        pairs, info = dpo_pairs(df, cfg.dpo_pairs)
+        if not pairs:
+            raise TableError(where, "reward_env", f"no preference pair: no task has an {cfg.dpo_pairs.replace('_', ' ')} "
+                             "trajectory and a self trajectory with a different final reward "
+                             f"(tie {info['tie']}, without anchor {info['no_anchor']})")
+        used = {t for pr in pairs for t in pr}
+        df = df.filter(pl.col("traj_id").is_in(list(used)))
+        info = {**info, "pairs": pairs}
+    if df.height == 0:
+        raise TableError(where, None, "no trajectories left to train on")
+    if need:
+        nulls = df.filter(pl.col("advantage").is_null())
+        if nulls.height:
+            r = nulls.row(0, named=True)
+            raise TableError(where, "advantage", f"{nulls.height} null values (first at traj_id={r['traj_id']!r} "
+                             f"step={r['step']}); run `qevolve label --critic` first")
+    return df, info

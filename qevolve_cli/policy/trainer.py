@@ -1,5 +1,20 @@
 """``train_policy``: behaviour cloning, BPPO, AWR, RFT and DPO on a trajectory table (or several).
 
+Read top to bottom, as a TRL or CleanRL trainer; :func:`train_policy` is the four steps in order:
+
+1. **load**: :func:`train_args` (the loop's arguments and the run's fingerprint), the backend
+   (:func:`qevolve_cli.training.make_backend`), :func:`load_policy` (tokenizer, model, LoRA,
+   gradient checkpointing);
+2. **data**: :func:`build_policy_data` (tokenised examples, dpo's pairs, normalised advantages),
+   :func:`initial_logprobs` (pi_ref and pi_old per token, computed once);
+3. **loop**: :func:`qevolve_cli.training.train_loop` over :func:`make_steps` (token-budget
+   micro-batches grouped into optimiser steps), :func:`policy_loss` (the objective's loss on one
+   micro-batch) and :func:`policy_hooks` (pi_old refresh, log-probs in the checkpoint);
+4. **save**: :func:`summarize` (the returned metrics) and :func:`write_output` (``OUT``, atomically).
+
+The pieces it calls live beside it: ``data.py`` (tables, examples, collation), ``model.py``
+(loading, LoRA, saving), ``logprobs.py`` (log-probs and their statistics), ``algos.py`` (the losses).
+
 Memory: only the policy is kept during training. pi_ref's per-token log-probs
 are computed once before training (from ``--ref`` if given, else from the
 initial policy) and the reference model is then freed; pi_old's log-probs are
@@ -19,10 +34,11 @@ same command, resumes at the next optimiser step (under DeepSpeed too).
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,235 +46,61 @@ import numpy as np
 
 from qevolve_cli.errors import QevolveError, TableError
 from qevolve_cli.policy.config import PolicyConfig
-from qevolve_cli.policy.data import PolicyExample, build_examples, collate
+from qevolve_cli.policy.data import PolicyExample, build_examples, collate, data_paths, load_policy_table
+from qevolve_cli.policy.logprobs import batch_logprobs, compute_logprobs, dpo_pair_stats, step_logprob_stats
+from qevolve_cli.policy.model import apply_lora, check_model_dir, load_causal_lm, save_model
 from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
-# --------------------------------------------------------------------------- loading
 
+def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], model: str | Path, out: str | Path,
+                 ref: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Train a policy with ``cfg.objective`` on table ``data`` (or several, stacked) from ``model``; write ``out``.
 
-def check_model_dir(path: str | Path, what: str = "--model") -> Path:
-    p = Path(path)
-    if not p.exists():
-        raise QevolveError(f"{what} {p}: no such model directory")
-    if not p.is_dir():
-        raise QevolveError(f"{what} {p}: not a directory")
-    if not (p / "config.json").exists() and not (p / "adapter_config.json").exists():
-        raise QevolveError(f"{what} {p}: not a Hugging Face model directory (no config.json or adapter_config.json)")
-    return p
-
-
-def load_causal_lm(path: str | Path, trainable_lora: bool = False, what: str = "--model"):
-    """Load a causal LM (or a PEFT adapter over its base) in float32 from safetensors, no remote code."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    p = check_model_dir(path, what)
-    kw = dict(dtype=torch.float32, trust_remote_code=False, use_safetensors=True)
-    try:
-        if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
-            from peft import PeftModel
-
-            base_path = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
-            if not base_path:
-                raise QevolveError(f"{p}/adapter_config.json: no base_model_name_or_path")
-            base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
-            model = PeftModel.from_pretrained(base, str(p), is_trainable=trainable_lora)
-            if not trainable_lora:
-                model = model.merge_and_unload()
-            return model
-        return AutoModelForCausalLM.from_pretrained(str(p), **kw)
-    except QevolveError:
-        raise
-    except (OSError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QevolveError(f"{what} {p}: cannot load the model ({msg})") from None
-
-
-def data_paths(data) -> list[Path]:
-    """``--data``: one table or several (a list); returned as a list of paths."""
-    if isinstance(data, (str, Path)):
-        return [Path(data)]
-    paths = [Path(d) for d in data]
-    if not paths:
-        raise QevolveError("--data: no trajectory table given")
-    return paths
-
-
-def read_tables(data, require: tuple[str, ...] | list[str] = ()):
-    """Read and validate one or several tables; several are stacked (a trajectory id may appear in one only)."""
-    import polars as pl
-
-    from qevolve_cli.schema import read_table
-
-    paths = data_paths(data)
-    frames, seen = [], set()
-    for p in paths:
-        df = read_table(p, require=require)
-        ids = set(df["traj_id"].unique().to_list())
-        dup = sorted(ids & seen)
-        if dup:
-            raise TableError(p, "traj_id", f"trajectory {dup[0]!r} also appears in an earlier --data table")
-        seen |= ids
-        frames.append(df)
-    return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
-
-
-def load_policy_table(cfg: PolicyConfig, data):
-    """Read (one or several tables) and select the training rows of ``data`` for ``cfg.objective``.
-
-    -> (rows, info): ``info`` holds the rft counts or the dpo ``pairs`` and counts.
+    -> metrics. ``ref``: the frozen reference of bppo's KL and dpo (default: the starting policy).
     """
-    import polars as pl
+    from qevolve_cli.training import make_backend, per_sequence_layout, train_loop
 
-    from qevolve_cli.policy.data import dpo_pairs, rft_select
-    from qevolve_cli.schema import drop_failed
+    t_start = time.perf_counter()
+    if quiet:
+        from transformers.utils import logging as hf_logging
 
-    paths = data_paths(data)
-    where = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
-    need = ["advantage"] if cfg.objective in ("bppo", "awr") else []
-    df = read_tables(paths, need)
-    if cfg.drop_failed:
-        df = drop_failed(df)
-    info: dict[str, Any] = {}
-    if cfg.objective == "bc" and cfg.bc_source == "expert":
-        df = df.filter(pl.col("source") == "expert")
-        if df.height == 0:
-            raise TableError(where, "source", "no expert rows to clone (bc uses rows with source == 'expert')")
-    elif cfg.objective == "rft":
-        df, info = rft_select(df, cfg.rft_min_reward)
-        if df.height == 0:
-            raise TableError(where, "source", "no expert rows and no self trajectory with final reward >= "
-                             f"{cfg.rft_min_reward} (rft trains on these)")
-    elif cfg.objective == "dpo":
-        pairs, info = dpo_pairs(df, cfg.dpo_pairs)
-        if not pairs:
-            raise TableError(where, "reward_env", f"no preference pair: no task has an {cfg.dpo_pairs.replace('_', ' ')} "
-                             "trajectory and a self trajectory with a different final reward "
-                             f"(tie {info['tie']}, without anchor {info['no_anchor']})")
-        used = {t for pr in pairs for t in pr}
-        df = df.filter(pl.col("traj_id").is_in(list(used)))
-        info = {**info, "pairs": pairs}
-    if df.height == 0:
-        raise TableError(where, None, "no trajectories left to train on")
-    if need:
-        nulls = df.filter(pl.col("advantage").is_null())
-        if nulls.height:
-            r = nulls.row(0, named=True)
-            raise TableError(where, "advantage", f"{nulls.height} null values (first at traj_id={r['traj_id']!r} "
-                             f"step={r['step']}); run `qevolve label --critic` first")
-    return df, info
+        hf_logging.disable_progress_bar()
+    out = Path(out)
+
+    # 1. load
+    model_path = check_model_dir(model)
+    if ref is not None:
+        check_model_dir(ref, "--ref")
+    df, table_info = load_policy_table(cfg, data)
+    args = train_args(cfg, data, model_path, ref, out, quiet)
+    backend = make_backend(args, cfg.grad_accum_steps)
+    per_seq = per_sequence_layout(cfg.batch_layout, backend.device)  # no padding computed (docs/performance.md)
+    tok, policy, init_dtype = load_policy(cfg, model_path, backend.device)
+
+    # 2. data
+    pd = build_policy_data(cfg, df, table_info, tok, data_label(data))
+    lp = initial_logprobs(cfg, policy, pd, ref, backend, per_seq)
+
+    # 3. loop
+    result = train_loop(policy, partial(make_steps, cfg, pd), partial(policy_loss, cfg, pd, lp, per_seq), args,
+                        micro_weight=pd.micro_weight, micro_tokens=pd.micro_tokens,
+                        hooks=policy_hooks(cfg, pd, lp, backend, per_seq, args.ckpt_dir), backend=backend)
+
+    # 4. save
+    unwrapped = backend.unwrap(policy)
+    metrics = summarize(cfg, pd, lp, result, unwrapped, backend, per_seq,
+                        inputs={"device": backend.device, "data": pd.label, "model": str(model_path),
+                                "ref": str(ref) if ref is not None else None, "out": str(out)})
+    write_output(cfg, backend, unwrapped, tok, init_dtype, out, args.ckpt_dir, metrics, t_start)
+    return metrics
 
 
-# --------------------------------------------------------------------------- log-probs
+# --------------------------------------------------------------------------- 1. load
 
 
-def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False):
-    """Per-token log pi of the next token, (B, T) prediction-aligned.
-
-    ``per_sequence``: one forward per row, cut to its own length (the batch is right-padded), so no
-    padding position is computed and no attention mask is needed; the real positions hold the same
-    values as the padded forward (causal attention), the positions past a row's end hold 0."""
-    import torch
-
-    from qevolve_cli.algos import sequence_logprobs
-
-    ids = batch["input_ids"].to(device)
-    att = batch["attention_mask"]
-    lens = att.sum(dim=1).tolist()
-    if per_sequence and min(lens) < ids.shape[1]:
-        T = ids.shape[1]
-        rows = []
-        for b, n in enumerate(lens):
-            row = ids[b : b + 1, :n]
-            lp = sequence_logprobs(model(input_ids=row, use_cache=False).logits, row)
-            rows.append(torch.nn.functional.pad(lp, (0, T - n)))
-        return torch.cat(rows, dim=0)
-    out = model(input_ids=ids, attention_mask=att.to(device), use_cache=False)
-    return sequence_logprobs(out.logits, ids)
-
-
-def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_tokens: int, device: str,
-                     autocast=None, per_sequence: bool = False) -> list[np.ndarray]:
-    """Log-probs of every example under ``model`` (eval mode, no grad) -> one (L,) array per example."""
-    import contextlib
-
-    import torch
-
-    from qevolve_cli.training import token_budget_batches
-
-    was_training = model.training
-    model.eval()
-    res: list[np.ndarray | None] = [None] * len(examples)
-    with torch.no_grad():
-        for idx in token_budget_batches([len(e) for e in examples], max_tokens, 0, shuffle=False):
-            batch = collate([examples[i] for i in idx], pad_id)
-            with autocast() if autocast else contextlib.nullcontext():
-                lp = batch_logprobs(model, batch, device, per_sequence).float().cpu().numpy()
-            for b, i in enumerate(idx):
-                res[i] = lp[b, : len(examples[i])].copy()
-    if was_training:
-        model.train()
-    return res  # type: ignore[return-value]
-
-
-def step_logprob_stats(examples: list[PolicyExample], logps: list[np.ndarray]) -> dict[str, Any]:
-    """Per-step summed action log-prob (over loss tokens) and the mean NLL per target token."""
-    per_step: list[tuple[float, float]] = []  # (advantage, summed logp)
-    tot, n = 0.0, 0
-    for e, lp in zip(examples, logps, strict=False):
-        m = e.loss_mask[1:]
-        st = e.step[1:]
-        v = lp[: len(e) - 1]
-        tot += float(-(v[m]).sum())
-        n += int(m.sum())
-        for s in np.unique(st[m]):
-            sel = m & (st == s)
-            per_step.append((float(e.advantages[s]), float(v[sel].sum())))
-    return {"nll": tot / max(1, n), "per_step": per_step, "tokens": n}
-
-
-def dpo_pair_stats(examples: list[PolicyExample], pairs: list[tuple[int, int]], lp_before: list[np.ndarray],
-                   lp_after: list[np.ndarray], lp_ref: list[np.ndarray], beta: float) -> dict[str, Any]:
-    """Trajectory log-probs (summed over the loss tokens) of the pairs before / after training.
-
-    ``dpo_chosen_logp_delta`` / ``dpo_rejected_logp_delta``: mean change of log pi(chosen) / log pi(rejected);
-    ``dpo_margin_before/after``: mean of log pi(chosen) - log pi(rejected); ``dpo_accuracy_after``: share of
-    pairs whose implicit reward beta * (log-ratio to pi_ref) is higher for the chosen trajectory.
-    """
-    def tot(lps: list[np.ndarray], i: int) -> float:
-        e = examples[i]
-        return float(lps[i][: len(e) - 1][e.loss_mask[1:]].sum())
-
-    cb = np.array([tot(lp_before, c) for c, _ in pairs])
-    rb = np.array([tot(lp_before, r) for _, r in pairs])
-    ca = np.array([tot(lp_after, c) for c, _ in pairs])
-    ra = np.array([tot(lp_after, r) for _, r in pairs])
-    cref = np.array([tot(lp_ref, c) for c, _ in pairs])
-    rref = np.array([tot(lp_ref, r) for _, r in pairs])
-    return {
-        "dpo_pairs": len(pairs),
-        "dpo_chosen_logp_delta": float((ca - cb).mean()),
-        "dpo_rejected_logp_delta": float((ra - rb).mean()),
-        "dpo_margin_before": float((cb - rb).mean()),
-        "dpo_margin_after": float((ca - ra).mean()),
-        "dpo_accuracy_after": float((beta * (ca - cref) > beta * (ra - rref)).mean()),
-    }
-
-
-# --------------------------------------------------------------------------- training
-
-
-def _apply_lora(model, cfg: PolicyConfig):
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    if isinstance(model, PeftModel):
-        return model
-    targets: Any = cfg.lora_target_modules
-    if targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-    lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                    target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, lc)
+def data_label(data) -> str:
+    """``--data`` as the messages and the summary name it (several tables: comma-separated)."""
+    return str(data) if isinstance(data, (str, Path)) else ", ".join(map(str, data))
 
 
 def _fingerprint(cfg_hash: str, data, model: Path, ref) -> str:
@@ -269,42 +111,14 @@ def _fingerprint(cfg_hash: str, data, model: Path, ref) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], model: str | Path, out: str | Path,
-                 ref: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Train a policy with ``cfg.objective`` on table ``data`` (or several, stacked) from ``model``; write ``out``.
+def train_args(cfg: PolicyConfig, data, model_path: Path, ref, out: Path, quiet: bool):
+    """The loop's arguments: ``cfg`` mapped onto :class:`~qevolve_cli.training.TrainArgs`, the work in progress in
+    ``OUT.partial/`` (checkpoints and the running log) and the run's fingerprint (config, data, model, ref)."""
+    from qevolve_cli.atomic import partial_dir
+    from qevolve_cli.training import TrainArgs
 
-    -> metrics. ``ref``: the frozen reference of bppo's KL and dpo (default: the starting policy).
-    """
-    import torch
-
-    from qevolve_cli.algos import awr_loss, bppo_loss, dpo_nll_loss, sequence_logratio, token_nll
-    from qevolve_cli.atomic import atomic_dir, partial_dir, write_json
-    from qevolve_cli.config import dump_yaml
-    from qevolve_cli.training import (
-        Hooks,
-        TrainArgs,
-        group_steps,
-        make_backend,
-        per_sequence_layout,
-        remove_checkpoint,
-        token_budget_batches,
-        train_loop,
-    )
-
-    t_start = time.perf_counter()
-    if quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    out = Path(out)
-    model_path = check_model_dir(model)
-    if ref is not None:
-        check_model_dir(ref, "--ref")
-    df, table_info = load_policy_table(cfg, data)
-    data_str = str(data) if isinstance(data, (str, Path)) else ", ".join(map(str, data))
     work = partial_dir(out)
-
-    args = TrainArgs(
+    return TrainArgs(
         epochs=cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
         lr_scheduler=cfg.lr_scheduler, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
         precision=cfg.precision, device=cfg.device, log_path=work / "metrics.jsonl", ckpt_dir=work,
@@ -313,129 +127,200 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         # how often checkpoints are written does not change the run: a resume may change it
         fingerprint=_fingerprint(cfg.replace(checkpoint_every_steps=0).hash(), data, model_path, ref),
     )
-    backend = make_backend(args, cfg.grad_accum_steps)
-    device = backend.device
-    per_seq = per_sequence_layout(cfg.batch_layout, device)  # no padding computed (docs/performance.md)
+
+
+def load_policy(cfg: PolicyConfig, model_path: Path, device: str):
+    """-> (tokenizer, the policy on ``device`` with LoRA and gradient checkpointing as ``cfg`` says, the dtype it
+    was stored in). Seeded with ``cfg.seed`` first: the LoRA initialisation is part of the run."""
+    import torch
+
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(model_path, what="--model", fill_pad=True)
     policy = load_causal_lm(model_path, trainable_lora=cfg.lora)
     init_dtype = getattr(policy.config, "dtype", None)
     if cfg.lora:
-        policy = _apply_lora(policy, cfg)
+        policy = apply_lora(policy, cfg)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         if cfg.lora:
             policy.enable_input_require_grads()
     policy.to(device)
+    return tok, policy, init_dtype
 
-    examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.objective in ("bppo", "awr"),
-                              path=data_str)
+
+# --------------------------------------------------------------------------- 2. data
+
+
+@dataclass
+class PolicyData:
+    """What one run trains on: the tokenised examples and, for dpo, the (chosen, rejected) pairs of example
+    indices, dpo's training units (a micro-batch holds example indices, under dpo pair indices)."""
+
+    examples: list[PolicyExample]
+    pairs: list[tuple[int, int]]
+    dpo: bool
+    pad_id: int
+    table_info: dict[str, Any]
+    label: str  # the --data paths, for messages and the summary
+
+    def micro_weight(self, idx: list[int]) -> float:
+        """A micro-batch's share of its optimiser step: its target tokens (dpo: its pairs)."""
+        return len(idx) if self.dpo else sum(self.examples[i].n_targets for i in idx)
+
+    def micro_tokens(self, idx: list[int]) -> int:
+        """Tokens of a micro-batch's sequences (throughput)."""
+        if self.dpo:
+            return sum(len(self.examples[self.pairs[p][0]]) + len(self.examples[self.pairs[p][1]]) for p in idx)
+        return sum(len(self.examples[i]) for i in idx)
+
+
+def build_policy_data(cfg: PolicyConfig, df, table_info: dict[str, Any], tok, label: str) -> PolicyData:
+    """Tokenise the selected rows (one example per trajectory, those with a target token left after truncation),
+    map dpo's trajectory pairs onto example indices and normalise the advantages (``normalize_advantage``)."""
+    examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.objective in ("bppo", "awr"), path=label)
     examples = [e for e in examples if e.n_targets > 0]
     if not examples:
-        raise TableError(data_str, "action", "no action tokens left to train on after truncation")
-    # dpo: the training units are (chosen, rejected) pairs of example indices
+        raise TableError(label, "action", "no action tokens left to train on after truncation")
     pairs: list[tuple[int, int]] = []
     if cfg.objective == "dpo":
         pos = {e.traj_id: i for i, e in enumerate(examples)}
         pairs = [(pos[c], pos[r]) for c, r in table_info["pairs"] if c in pos and r in pos]
         if not pairs:
-            raise TableError(data_str, "action", "no preference pair left with action tokens after truncation")
+            raise TableError(label, "action", "no preference pair left with action tokens after truncation")
     if cfg.normalize_advantage and cfg.objective in ("bppo", "awr"):
         allv = np.concatenate([e.advantages for e in examples])
         mu, sd = float(allv.mean()), float(allv.std()) + 1e-8
         for e in examples:
             e.advantages = ((e.advantages - mu) / sd).astype(np.float32)
-    pad_id = pad_id_of(tok)
+    return PolicyData(examples, pairs, cfg.objective == "dpo", pad_id_of(tok), table_info, label)
 
-    # ---- reference and old-policy log-probs (precomputed; only the policy stays loaded)
-    state: dict[str, list[np.ndarray] | None] = {"old": None, "ref": None}
-    lp_init = compute_logprobs(policy, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast, per_seq)
-    if cfg.objective in ("bppo", "dpo"):
-        if cfg.objective == "bppo":
-            state["old"] = lp_init
-        if ref is not None:
-            ref_model = load_causal_lm(ref, what="--ref").to(device)
-            state["ref"] = compute_logprobs(ref_model, examples, pad_id, cfg.micro_batch_tokens, device,
-                                            backend.autocast, per_seq)
-            del ref_model
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        else:
-            state["ref"] = lp_init
-    before = step_logprob_stats(examples, lp_init)
 
-    def make_steps(epoch: int) -> list[list[list[int]]]:
-        if cfg.objective == "dpo":  # a pair is two sequences padded together
-            lens = [2 * max(len(examples[c]), len(examples[r])) for c, r in pairs]
-            cap = max(1, cfg.micro_batch_size // 2) if cfg.micro_batch_size else 0
-            mbs = token_budget_batches(lens, cfg.micro_batch_tokens, cap, shuffle=True,
-                                       seed=cfg.seed * 1000003 + epoch)
-            return group_steps(mbs, cfg.grad_accum_steps)
-        mbs = token_budget_batches([len(e) for e in examples], cfg.micro_batch_tokens, cfg.micro_batch_size,
-                                   shuffle=True, seed=cfg.seed * 1000003 + epoch)
-        return group_steps(mbs, cfg.grad_accum_steps)
+@dataclass
+class LogProbs:
+    """Per-token log-probs of every example (one (L,) array each): under the starting policy (``init``), pi_old
+    (bppo; refreshed during training) and pi_ref (bppo's KL, dpo). None: the objective does not use it."""
 
-    def dpo_loss_fn(m, pidx: list[int], ctx: dict):
-        idx = [pairs[p][0] for p in pidx] + [pairs[p][1] for p in pidx]
-        batch = collate([examples[i] for i in idx], pad_id, cfg.thought_weight, None,
-                        [state["ref"][i] for i in idx])
-        lp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
-        mask = batch["mask"].to(lp.device)
-        ratio = sequence_logratio(lp, batch["logp_ref"].to(lp.device), mask)
-        n = len(pidx)
-        return dpo_nll_loss(ratio[:n], ratio[n:], lp[:n], mask[:n], cfg.dpo_beta, cfg.dpo_nll_weight)
+    init: list[np.ndarray]
+    old: list[np.ndarray] | None = None
+    ref: list[np.ndarray] | None = None
 
-    def loss_fn(m, idx: list[int], ctx: dict):
-        if cfg.objective == "dpo":
-            return dpo_loss_fn(m, idx, ctx)
-        exs = [examples[i] for i in idx]
-        old = [state["old"][i] for i in idx] if state["old"] is not None else None
-        refl = [state["ref"][i] for i in idx] if state["ref"] is not None else None
-        batch = collate(exs, pad_id, cfg.thought_weight, old, refl)
-        lp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
-        mask = batch["mask"].to(lp.device)
-        tw = batch["token_weights"].to(lp.device)
-        if cfg.objective in ("bc", "rft"):
-            loss = token_nll(lp, mask)
-            return loss, {"nll": float(loss.detach())}
-        adv = batch["adv"].to(lp.device)
-        if cfg.objective == "awr":
-            return awr_loss(lp, adv, mask, tw, cfg.awr_beta, cfg.awr_max_weight)
-        return bppo_loss(lp, batch["logp_old"].to(lp.device), adv, mask, tw, cfg.eps_low, cfg.eps_high,
-                         batch["logp_ref"].to(lp.device), cfg.kl_coef, cfg.kl_estimator)
+    def state_tensors(self) -> dict[str, Any]:
+        """pi_old and pi_ref, flattened, for the checkpoint (they change with the data, not the weights)."""
+        import torch
 
-    def on_step(step: int, m) -> None:
-        if cfg.objective == "bppo" and cfg.old_refresh_steps and step % cfg.old_refresh_steps == 0:
-            state["old"] = compute_logprobs(m, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast,
-                                            per_seq)
+        return {f"logp_{k}": torch.from_numpy(np.concatenate(v).astype(np.float32))
+                for k, v in (("old", self.old), ("ref", self.ref)) if v is not None}
 
-    def flat(key: str) -> dict[str, torch.Tensor]:
-        v = state[key]
-        return {} if v is None else {f"logp_{key}": torch.from_numpy(np.concatenate(v).astype(np.float32))}
-
-    def load_extra(extra: dict[str, torch.Tensor]) -> None:
+    def load_state_tensors(self, extra: dict[str, Any], examples: list[PolicyExample], where: Path | None) -> None:
         lens = np.cumsum([0] + [len(e) for e in examples])
         for key in ("old", "ref"):
             t = extra.get(f"logp_{key}")
             if t is not None:
                 a = t.numpy()
                 if a.shape[0] != lens[-1]:
-                    raise QevolveError(f"{work}: checkpoint does not match the data (delete it to start over)")
-                state[key] = [a[lens[i] : lens[i + 1]].copy() for i in range(len(examples))]
+                    raise QevolveError(f"{where}: checkpoint does not match the data (delete it to start over)")
+                setattr(self, key, [a[lens[i] : lens[i + 1]].copy() for i in range(len(examples))])
 
-    hooks = Hooks(on_step=on_step, extra_state=lambda: {**flat("old"), **flat("ref")}, load_extra_state=load_extra)
-    result = train_loop(
-        policy, make_steps, loss_fn, args,
-        micro_weight=(lambda idx: len(idx)) if cfg.objective == "dpo" else
-        (lambda idx: sum(examples[i].n_targets for i in idx)),
-        micro_tokens=(lambda idx: sum(len(examples[pairs[p][0]]) + len(examples[pairs[p][1]]) for p in idx))
-        if cfg.objective == "dpo" else (lambda idx: sum(len(examples[i]) for i in idx)),
-        hooks=hooks, backend=backend,
-    )
-    unwrapped = backend.unwrap(policy)
-    lp_final = compute_logprobs(unwrapped, examples, pad_id, cfg.micro_batch_tokens, device, backend.autocast,
-                                per_seq)
-    after = step_logprob_stats(examples, lp_final)
+
+def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, per_seq: bool) -> LogProbs:
+    """Log-probs under the starting policy; pi_old (bppo) starts there; pi_ref (bppo, dpo) is ``--ref``'s, loaded,
+    measured and freed here (only the policy stays in memory), else the starting policy's. ``per_seq``: one
+    forward per sequence (``batch_layout``)."""
+    device = backend.device
+    lp = LogProbs(init=compute_logprobs(policy, pd.examples, pd.pad_id, cfg.micro_batch_tokens, device,
+                                        backend.autocast, per_seq))
+    if cfg.objective in ("bppo", "dpo"):
+        if cfg.objective == "bppo":
+            lp.old = lp.init
+        if ref is not None:
+            import torch
+
+            ref_model = load_causal_lm(ref, what="--ref").to(device)
+            lp.ref = compute_logprobs(ref_model, pd.examples, pd.pad_id, cfg.micro_batch_tokens, device,
+                                      backend.autocast, per_seq)
+            del ref_model
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        else:
+            lp.ref = lp.init
+    return lp
+
+
+# --------------------------------------------------------------------------- 3. loop
+
+
+def make_steps(cfg: PolicyConfig, pd: PolicyData, epoch: int) -> list[list[list[int]]]:
+    """The epoch's optimiser steps: token-budget micro-batches (``micro_batch_tokens``, at most
+    ``micro_batch_size`` sequences; a dpo pair is two sequences padded together) shuffled with the seed and the
+    epoch, ``grad_accum_steps`` per step."""
+    from qevolve_cli.training import group_steps, token_budget_batches
+
+    if pd.dpo:
+        lens = [2 * max(len(pd.examples[c]), len(pd.examples[r])) for c, r in pd.pairs]
+        cap = max(1, cfg.micro_batch_size // 2) if cfg.micro_batch_size else 0
+        mbs = token_budget_batches(lens, cfg.micro_batch_tokens, cap, shuffle=True, seed=cfg.seed * 1000003 + epoch)
+        return group_steps(mbs, cfg.grad_accum_steps)
+    mbs = token_budget_batches([len(e) for e in pd.examples], cfg.micro_batch_tokens, cfg.micro_batch_size,
+                               shuffle=True, seed=cfg.seed * 1000003 + epoch)
+    return group_steps(mbs, cfg.grad_accum_steps)
+
+
+def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, per_seq: bool, m, idx: list[int], ctx: dict):
+    """The objective's loss on one micro-batch -> (mean loss, metrics): bc / rft token NLL, awr, bppo (clipped
+    ratio to pi_old, KL to pi_ref) or dpo (+ NLL of the chosen, ``dpo_nll_weight``); the losses are ``algos.py``'s."""
+    from qevolve_cli.algos import awr_loss, bppo_loss, dpo_nll_loss, sequence_logratio, token_nll
+
+    if pd.dpo:
+        rows = [pd.pairs[p][0] for p in idx] + [pd.pairs[p][1] for p in idx]
+        batch = collate([pd.examples[i] for i in rows], pd.pad_id, cfg.thought_weight, None,
+                        [lp.ref[i] for i in rows])
+        logp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
+        mask = batch["mask"].to(logp.device)
+        ratio = sequence_logratio(logp, batch["logp_ref"].to(logp.device), mask)
+        n = len(idx)
+        return dpo_nll_loss(ratio[:n], ratio[n:], logp[:n], mask[:n], cfg.dpo_beta, cfg.dpo_nll_weight)
+    exs = [pd.examples[i] for i in idx]
+    old = [lp.old[i] for i in idx] if lp.old is not None else None
+    refl = [lp.ref[i] for i in idx] if lp.ref is not None else None
+    batch = collate(exs, pd.pad_id, cfg.thought_weight, old, refl)
+    logp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
+    mask = batch["mask"].to(logp.device)
+    tw = batch["token_weights"].to(logp.device)
+    if cfg.objective in ("bc", "rft"):
+        loss = token_nll(logp, mask)
+        return loss, {"nll": float(loss.detach())}
+    adv = batch["adv"].to(logp.device)
+    if cfg.objective == "awr":
+        return awr_loss(logp, adv, mask, tw, cfg.awr_beta, cfg.awr_max_weight)
+    return bppo_loss(logp, batch["logp_old"].to(logp.device), adv, mask, tw, cfg.eps_low, cfg.eps_high,
+                     batch["logp_ref"].to(logp.device), cfg.kl_coef, cfg.kl_estimator)
+
+
+def policy_hooks(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, backend, per_seq: bool, ckpt_dir: Path | None):
+    """bppo refreshes pi_old from the current policy every ``old_refresh_steps`` optimiser steps; pi_old and pi_ref
+    travel in the checkpoint."""
+    from qevolve_cli.training import Hooks
+
+    def on_step(step: int, m) -> None:
+        if cfg.objective == "bppo" and cfg.old_refresh_steps and step % cfg.old_refresh_steps == 0:
+            lp.old = compute_logprobs(m, pd.examples, pd.pad_id, cfg.micro_batch_tokens, backend.device,
+                                      backend.autocast, per_seq)
+
+    return Hooks(on_step=on_step, extra_state=lp.state_tensors,
+                 load_extra_state=lambda extra: lp.load_state_tensors(extra, pd.examples, ckpt_dir))
+
+
+# --------------------------------------------------------------------------- 4. save
+
+
+def summarize(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, result, unwrapped, backend, per_seq: bool,
+              inputs: dict[str, Any]) -> dict[str, Any]:
+    """The run's metrics (``train_summary.json``, the return value): the loop's counters, the NLL of the action
+    tokens and the per-step action log-prob change by advantage sign before / after, rft's and dpo's counts."""
+    before = step_logprob_stats(pd.examples, lp.init)
+    lp_final = compute_logprobs(unwrapped, pd.examples, pd.pad_id, cfg.micro_batch_tokens, backend.device,
+                                backend.autocast, per_seq)
+    after = step_logprob_stats(pd.examples, lp_final)
 
     def delta(sign: int) -> float | None:
         d = [a2[1] - a1[1] for a1, a2 in zip(before["per_step"], after["per_step"], strict=False) if np.sign(a1[0]) == sign]
@@ -443,8 +328,8 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
 
     metrics: dict[str, Any] = {
         "objective": cfg.objective,
-        "trajectories": len(examples),
-        "steps": int(sum(e.advantages.size for e in examples)),
+        "trajectories": len(pd.examples),
+        "steps": int(sum(e.advantages.size for e in pd.examples)),
         "optimizer_steps": result.steps,
         "epochs": cfg.epochs,
         "resumed_from_epoch": result.resumed_from_epoch,
@@ -457,23 +342,27 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
         "nll_after": after["nll"],
         "logp_delta_pos_adv": delta(1),
         "logp_delta_neg_adv": delta(-1),
-        "truncated_trajectories": sum(1 for e in examples if e.dropped_turns or e.cut),
+        "truncated_trajectories": sum(1 for e in pd.examples if e.dropped_turns or e.cut),
         "final_loss": result.last_metrics.get("loss"),
-        "device": device,
-        "data": data_str,
-        "model": str(model_path),
-        "ref": str(ref) if ref is not None else None,
-        "out": str(out),
+        **inputs,
     }
-
     if cfg.objective == "rft":
-        metrics.update({f"rft_{k}": v for k, v in table_info.items()})
+        metrics.update({f"rft_{k}": v for k, v in pd.table_info.items()})
     if cfg.objective == "dpo":
-        metrics.update({f"dpo_{k}": v for k, v in table_info.items() if k != "pairs"})
-        metrics.update(dpo_pair_stats(examples, pairs, lp_init, lp_final, state["ref"], cfg.dpo_beta))
+        metrics.update({f"dpo_{k}": v for k, v in pd.table_info.items() if k != "pairs"})
+        metrics.update(dpo_pair_stats(pd.examples, pd.pairs, lp.init, lp_final, lp.ref, cfg.dpo_beta))
+    return metrics
 
-    # full weights: a collective under DeepSpeed ZeRO-3 (gathered on rank 0), so every rank calls it
-    state = backend.full_state_dict(unwrapped)
+
+def write_output(cfg: PolicyConfig, backend, unwrapped, tok, init_dtype, out: Path, work: Path, metrics: dict[str, Any],
+                 t_start: float) -> None:
+    """``OUT`` atomically (rank 0): the model, ``config.yaml``, the loss curve and ``train_summary.json``; then
+    ``OUT.partial/`` is removed. Every rank calls it (the full weights are a collective under ZeRO-3)."""
+    from qevolve_cli.atomic import atomic_dir, write_json
+    from qevolve_cli.config import dump_yaml
+    from qevolve_cli.training import remove_checkpoint
+
+    state = backend.full_state_dict(unwrapped)  # ZeRO-3: gathered on rank 0
     if backend.is_main:
         with atomic_dir(out) as tmp:
             save_model(unwrapped, tok, tmp, cfg, init_dtype, state)
@@ -486,27 +375,3 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
             write_json(tmp / "train_summary.json", metrics)
         remove_checkpoint(work)
     backend.barrier()
-    return metrics
-
-
-def save_model(model, tok, out_dir: Path, cfg: PolicyConfig, init_dtype, state: dict) -> None:
-    """Save full weights (safetensors) or the LoRA adapter, plus tokenizer files.
-
-    ``state``: the model's full state dict (gathered from the ranks under DeepSpeed ZeRO-3).
-    """
-    import torch
-
-    if cfg.lora:
-        model.save_pretrained(str(out_dir), safe_serialization=True, state_dict=state)
-    else:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.save_dtype)
-        if dtype is None:
-            dtype = init_dtype if isinstance(init_dtype, torch.dtype) else torch.float32
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
-        model.config.dtype = dtype
-        model.config.save_pretrained(str(out_dir))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(str(out_dir))
-    tok.save_pretrained(str(out_dir))

@@ -1,0 +1,102 @@
+"""Per-token log-probs of the policy's examples: in batches (eval mode, no grad) and the statistics the summary
+reports (NLL of the action tokens, per-step log-prob changes, dpo's pair margins)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qevolve_cli.policy.data import PolicyExample, collate
+
+
+def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False):
+    """Per-token log pi of the next token, (B, T) prediction-aligned.
+
+    ``per_sequence``: one forward per row, cut to its own length (the batch is right-padded), so no
+    padding position is computed and no attention mask is needed; the real positions hold the same
+    values as the padded forward (causal attention), the positions past a row's end hold 0."""
+    import torch
+
+    from qevolve_cli.algos import sequence_logprobs
+
+    ids = batch["input_ids"].to(device)
+    att = batch["attention_mask"]
+    lens = att.sum(dim=1).tolist()
+    if per_sequence and min(lens) < ids.shape[1]:
+        T = ids.shape[1]
+        rows = []
+        for b, n in enumerate(lens):
+            row = ids[b : b + 1, :n]
+            lp = sequence_logprobs(model(input_ids=row, use_cache=False).logits, row)
+            rows.append(torch.nn.functional.pad(lp, (0, T - n)))
+        return torch.cat(rows, dim=0)
+    out = model(input_ids=ids, attention_mask=att.to(device), use_cache=False)
+    return sequence_logprobs(out.logits, ids)
+
+
+def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_tokens: int, device: str,
+                     autocast=None, per_sequence: bool = False) -> list[np.ndarray]:
+    """Log-probs of every example under ``model`` (eval mode, no grad) -> one (L,) array per example."""
+    import contextlib
+
+    import torch
+
+    from qevolve_cli.training import token_budget_batches
+
+    was_training = model.training
+    model.eval()
+    res: list[np.ndarray | None] = [None] * len(examples)
+    with torch.no_grad():
+        for idx in token_budget_batches([len(e) for e in examples], max_tokens, 0, shuffle=False):
+            batch = collate([examples[i] for i in idx], pad_id)
+            with autocast() if autocast else contextlib.nullcontext():
+                lp = batch_logprobs(model, batch, device, per_sequence).float().cpu().numpy()
+            for b, i in enumerate(idx):
+                res[i] = lp[b, : len(examples[i])].copy()
+    if was_training:
+        model.train()
+    return res  # type: ignore[return-value]
+
+
+def step_logprob_stats(examples: list[PolicyExample], logps: list[np.ndarray]) -> dict[str, Any]:
+    """Per-step summed action log-prob (over loss tokens) and the mean NLL per target token."""
+    per_step: list[tuple[float, float]] = []  # (advantage, summed logp)
+    tot, n = 0.0, 0
+    for e, lp in zip(examples, logps, strict=False):
+        m = e.loss_mask[1:]
+        st = e.step[1:]
+        v = lp[: len(e) - 1]
+        tot += float(-(v[m]).sum())
+        n += int(m.sum())
+        for s in np.unique(st[m]):
+            sel = m & (st == s)
+            per_step.append((float(e.advantages[s]), float(v[sel].sum())))
+    return {"nll": tot / max(1, n), "per_step": per_step, "tokens": n}
+
+
+def dpo_pair_stats(examples: list[PolicyExample], pairs: list[tuple[int, int]], lp_before: list[np.ndarray],
+                   lp_after: list[np.ndarray], lp_ref: list[np.ndarray], beta: float) -> dict[str, Any]:
+    """Trajectory log-probs (summed over the loss tokens) of the pairs before / after training.
+
+    ``dpo_chosen_logp_delta`` / ``dpo_rejected_logp_delta``: mean change of log pi(chosen) / log pi(rejected);
+    ``dpo_margin_before/after``: mean of log pi(chosen) - log pi(rejected); ``dpo_accuracy_after``: share of
+    pairs whose implicit reward beta * (log-ratio to pi_ref) is higher for the chosen trajectory.
+    """
+    def tot(lps: list[np.ndarray], i: int) -> float:
+        e = examples[i]
+        return float(lps[i][: len(e) - 1][e.loss_mask[1:]].sum())
+
+    cb = np.array([tot(lp_before, c) for c, _ in pairs])
+    rb = np.array([tot(lp_before, r) for _, r in pairs])
+    ca = np.array([tot(lp_after, c) for c, _ in pairs])
+    ra = np.array([tot(lp_after, r) for _, r in pairs])
+    cref = np.array([tot(lp_ref, c) for c, _ in pairs])
+    rref = np.array([tot(lp_ref, r) for _, r in pairs])
+    return {
+        "dpo_pairs": len(pairs),
+        "dpo_chosen_logp_delta": float((ca - cb).mean()),
+        "dpo_rejected_logp_delta": float((ra - rb).mean()),
+        "dpo_margin_before": float((cb - rb).mean()),
+        "dpo_margin_after": float((ca - ra).mean()),
+        "dpo_accuracy_after": float((beta * (ca - cref) > beta * (ra - rref)).mean()),
+    }

@@ -23,6 +23,9 @@ Read top to bottom:
 Each update runs exactly two forwards of the backbone per batch row (one per
 adapter), whatever the number of steps in the row.
 
+Beside it: ``optim.py`` (one optimiser and LR schedule per branch, the
+DeepSpeed backend), ``heldout.py`` (held-out split and diagnostics).
+
 This is a loop of its own, not :func:`qevolve_cli.training.train_loop`: two
 optimisers updated in turn, each with its own warm-up and schedule, one engine
 per branch under DeepSpeed, no gradient accumulation (docs/architecture.md,
@@ -47,9 +50,10 @@ from qevolve_cli.atomic import atomic_dir, partial_dir
 from qevolve_cli.config import dump_yaml
 from qevolve_cli.critic.config import CriticConfig
 from qevolve_cli.critic.data import TrajItem, attach_targets, build_items, collate, load_table, sample_steps
+from qevolve_cli.critic.heldout import evaluate_items, split_heldout
 from qevolve_cli.critic.model import CriticModel
+from qevolve_cli.critic.optim import BranchOptimizer, deepspeed_backend
 from qevolve_cli.errors import QevolveError
-from qevolve_cli.rewards import process_rewards
 from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 from qevolve_cli.training import (
     POINTER,
@@ -59,7 +63,6 @@ from qevolve_cli.training import (
     commit_checkpoint,
     fsync_tree,
     kill_after_checkpoint,
-    lr_lambda,
     read_checkpoint_pointer,
     rng_state,
     set_rng_state,
@@ -67,59 +70,6 @@ from qevolve_cli.training import (
 )
 
 ProgressFn = Callable[[int, str], None]  # (batches advanced, info text)
-
-
-class _Group:
-    """One optimiser + schedule over (adapter params, head params).
-
-    Under DeepSpeed (``ds``) the optimiser is the client optimiser of its OWN engine over the
-    critic module: ZeRO registers gradient hooks, partitions optimiser state and clips only for
-    this branch's parameters, so a Q update never touches the V branch's parameters or Adam
-    moments and vice versa (exactly the two independent optimisers of the paper).
-    """
-
-    def __init__(self, adapter: list, heads: list, cfg: CriticConfig, total: int, ds: Any = None,
-                 module: Any = None):
-        groups = [{"params": adapter, "lr": cfg.lr}, {"params": heads, "lr": cfg.head_lr or cfg.lr}]
-        self.opt = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
-        self.engine = None
-        if ds is not None:
-            conf = ds.resolve(module, grad_accum=1, max_grad_norm=cfg.grad_clip, managed_accumulation=True)
-            self.engine, _ = ds.initialize(module, self.opt, conf)
-        self.base = [g["lr"] for g in groups]
-        self.total = max(1, total)
-        self.warmup = int(round(cfg.warmup_ratio * self.total))
-        self.kind = cfg.lr_scheduler
-        self.step_i = 0
-        self.clip = cfg.grad_clip
-        self.params = adapter + heads
-        self._set_lr()
-
-    def _set_lr(self) -> None:
-        f = lr_lambda(self.step_i, self.total, self.warmup, self.kind)
-        for g, b in zip(self.opt.param_groups, self.base, strict=True):
-            g["lr"] = b * f
-
-    def step(self, loss: torch.Tensor) -> None:
-        if self.engine is not None:  # DeepSpeed: gradient averaging over ranks, clipping (grad_clip), step
-            self.engine.backward(loss, scale_wrt_gas=False)
-            self.engine.step()
-        else:
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-            self.opt.step()
-        self.step_i += 1
-        self._set_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"opt": self.opt.state_dict(), "step": self.step_i}
-
-    def load_state_dict(self, s: dict[str, Any]) -> None:
-        self.opt.load_state_dict(s["opt"])
-        self.step_i = int(s["step"])
-        self._set_lr()
 
 
 class CriticTrainer:
@@ -137,8 +87,8 @@ class CriticTrainer:
         q_total = n_batches if cfg.schedule == "both" else (n_batches + 1) // 2
         v_total = n_batches if cfg.schedule == "both" else n_batches // 2
         critic.enable_training()
-        self.q = _Group(*critic.q_parameters(), cfg, q_total, ds, critic)
-        self.v = _Group(*critic.value_parameters(), cfg, v_total, ds, critic)
+        self.q = BranchOptimizer(*critic.q_parameters(), cfg, q_total, ds, critic)
+        self.v = BranchOptimizer(*critic.value_parameters(), cfg, v_total, ds, critic)
         self.n = 0  # optimisation steps so far (Q and V together)
 
     # ---------------------------------------------------------------- updates
@@ -347,98 +297,7 @@ class CriticTrainer:
         self.n = int(client["n"])
         for g, key in ((self.q, "q_step"), (self.v, "v_step")):
             g.step_i = int(client[key])
-            g._set_lr()
-
-
-def split_heldout(items: list[TrajItem], df: Any, fraction: float) -> tuple[list[TrajItem], list[TrajItem]]:
-    """(train items, held-out items): whole trajectories (all their windows) held out by traj_id.
-
-    The choice (:func:`qevolve_cli.critic.diagnostics.heldout_mask`) is deterministic, stratified by
-    outcome, and depends only on the trajectory ids and outcomes, not on the order of the table.
-    """
-    from qevolve_cli.critic.diagnostics import heldout_mask
-
-    if fraction <= 0 or not items:
-        return items, []
-    tid = df["traj_id"].to_numpy()
-    if "success" in df.columns:
-        succ_row = df["success"].to_numpy().astype(bool)
-    else:
-        import polars as pl
-
-        tot = df.group_by("traj_id").agg(pl.col("reward_env").sum())
-        ok = dict(zip(tot["traj_id"].to_list(), (tot["reward_env"] != 0).to_list(), strict=True))
-        succ_row = np.array([ok[t] for t in tid], bool)
-    base = [str(tid[it.rows[0]]) for it in items]
-    ids = sorted(set(base))
-    first = {}
-    for it, b in zip(items, base, strict=True):
-        first.setdefault(b, bool(succ_row[it.rows[0]]))
-    held = dict(zip(ids, heldout_mask(ids, [first[i] for i in ids], fraction), strict=True))
-    train = [it for it, b in zip(items, base, strict=True) if not held[b]]
-    test = [it for it, b in zip(items, base, strict=True) if held[b]]
-    if not train:
-        return items, []
-    return train, test
-
-
-def evaluate_items(trainer: CriticTrainer, items: list[TrajItem], df: Any, cfg: CriticConfig,
-                   full: bool = False) -> dict[str, Any]:
-    """Diagnostics (:func:`qevolve_cli.critic.diagnostics.diagnose`) of the critic on ``items``' trajectories.
-
-    Scores every step of the items, computes the paper's GAE advantage (r_env only, ``diag_lambda``)
-    from the critic's V, and returns the metrics; ``full`` keeps the per-step curves and calibration
-    bins (final diagnostics), else only scalars and the advantage groups (per-epoch metrics).
-    """
-    import polars as pl
-
-    from qevolve_cli import core
-    from qevolve_cli.critic.diagnostics import diagnose
-
-    if not items:
-        return {}
-    cols = trainer.score_items(items, df.height)
-    rows = np.unique(np.concatenate([it.rows for it in items]))
-    keep = [c for c in ("traj_id", "step", "source", "success", "aux_kind", "reward_env", "reward_aux", "done")
-            if c in df.columns]
-    sub = df.select(keep).with_columns([pl.Series(k, v, pl.Float32) for k, v in cols.items()])[rows]
-    sub = sub.sort(["traj_id", "step"], maintain_order=True)
-    sub = sub.with_columns(pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value"))
-                           .cast(pl.Float32).alias("next_value"))
-    sub = sub.with_columns(process_rewards(sub, "gae", cfg.gamma, cfg.diag_lambda, offs=core.offsets(sub)))
-    d = diagnose(sub, cfg.gamma, cfg.expectile, shaping=cfg.shaping)
-    if d.get("bellman_q") is not None:
-        d["bellman"] = d["bellman_q"] + d["bellman_v"]
-    if not full:
-        d.pop("calibration", None)
-        d.pop("v_by_step", None)
-    return d
-
-
-def deepspeed_backend(cfg: CriticConfig):
-    """The DeepSpeed backend of ``cfg.deepspeed`` (None without one); refuses what the critic cannot do exactly.
-
-    ZeRO-3 is refused: it partitions parameters inside ONE engine, whose optimiser steps every
-    parameter group on every step (Adam moves the inactive branch from its moments even with zero
-    gradients), so the alternating Q / V updates with two independent optimisers cannot be kept
-    exact; stages 0-2 use one engine per branch. bf16/fp16 engines are refused: DeepSpeed would
-    cast the adapters and heads (and the q_target EMA, lambda 0.005) to 16 bits; ``dtype`` sets
-    the frozen backbone's precision instead.
-    """
-    if not cfg.deepspeed:
-        return None
-    from qevolve_cli.training import DeepSpeedBackend, load_deepspeed_config
-
-    raw = load_deepspeed_config(cfg.deepspeed, "deepspeed")
-    stage = raw.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3:
-        raise QevolveError(f"{cfg.deepspeed}: field zero_optimization.stage: the critic supports ZeRO stages 0-2 "
-                           "(stage 3 cannot keep the two alternating optimisers exact; use configs/deepspeed/zero2.json)")
-    for key in ("bf16", "fp16"):
-        if isinstance(raw.get(key), dict) and raw[key].get("enabled") is True:
-            raise QevolveError(f"{cfg.deepspeed}: field {key}.enabled: the critic trains its adapters and heads in "
-                               "fp32 (set it to auto or false; `dtype` sets the frozen backbone's precision)")
-    return DeepSpeedBackend(cfg.deepspeed, "fp32", cfg.device, 1, cfg.grad_clip)
+            g.set_lr()
 
 
 def _read_progress(partial: Path) -> dict[str, Any] | None:

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -54,13 +52,11 @@ from typing import Any
 import polars as pl
 
 from qevolve_cli import schema, transcript
-from qevolve_cli.atomic import partial_dir
 from qevolve_cli.errors import QevolveError, TableError
 from qevolve_cli.rollout.backends import Backend, Request, make_backend
 from qevolve_cli.rollout.config import RolloutConfig
+from qevolve_cli.rollout.journal import JOURNAL_VERSION, Journal, journal_path
 from qevolve_cli.shard import shard_pairs
-
-JOURNAL_VERSION = 1
 
 # chooser(requests, candidates) -> index of the candidate to play, per request (critic reranking)
 Chooser = Callable[[Sequence[Request], Sequence[Sequence[str]]], Sequence[int]]
@@ -104,10 +100,6 @@ class RolloutStats:
         return d
 
 
-def journal_path(out: str | Path) -> Path:
-    return partial_dir(out) / "journal.jsonl"
-
-
 def traj_id_of(env: str, split: str, task_id: str, iteration: int, sample: int) -> str:
     return f"{split}/it{iteration}/s{sample}/{task_id}"
 
@@ -127,70 +119,6 @@ class _Episode:
     observations: list[str] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
-
-
-class Journal:
-    """Append-only JSON-lines record of finished episodes (one fsynced line each)."""
-
-    def __init__(self, path: Path, header: dict[str, Any], resume: bool):
-        self.path = path
-        self.header = header
-        self.episodes: dict[str, dict[str, Any]] = {}  # traj_id -> record (last one wins)
-        if resume and path.exists():
-            self._load()
-            self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "w", encoding="utf-8")  # noqa: SIM115
-            self._write(header)
-
-    def _load(self) -> None:
-        lines = self.path.read_text(encoding="utf-8").split("\n")
-        good_bytes = 0
-        for i, line in enumerate(lines):
-            if not line.strip():
-                good_bytes += len(line.encode()) + 1
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                if i >= len(lines) - 2:  # torn last line of a killed run
-                    break
-                raise QevolveError(f"{self.path}: line {i + 1}: corrupt journal record") from None
-            good_bytes += len(line.encode()) + 1
-            if i == 0 or rec.get("kind") == "header":
-                self._check_header(rec, i + 1)
-                continue
-            if rec.get("kind") == "episode":
-                self.episodes[rec["traj_id"]] = rec
-        # cut a torn tail so appended records start on a fresh line
-        size = self.path.stat().st_size
-        if good_bytes < size:
-            with open(self.path, "r+b") as f:
-                f.truncate(good_bytes)
-
-    def _check_header(self, rec: dict[str, Any], lineno: int) -> None:
-        if rec.get("kind") != "header":
-            raise QevolveError(f"{self.path}: line {lineno}: not a rollout journal (no header)")
-        for k in ("env", "split", "iteration", "source", "shard"):
-            if rec.get(k, "") != self.header.get(k, ""):  # journals without a shard key are unsharded
-                raise QevolveError(
-                    f"{self.path}: the unfinished rollout has {k}={rec.get(k)!r}, this run {k}="
-                    f"{self.header.get(k)!r}; resume with the same settings or delete the journal")
-
-    def _write(self, rec: dict[str, Any]) -> None:
-        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-
-    def add(self, traj_id: str, rows: list[dict[str, Any]], error: str | None) -> None:
-        rec = {"kind": "episode", "traj_id": traj_id, "error": error, "rows": rows}
-        self._write(rec)
-        self.episodes[traj_id] = rec
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.f.close()
 
 
 def _row(ep: _Episode, cfg: RolloutConfig, source: str, step: int, **kw: Any) -> dict[str, Any]:

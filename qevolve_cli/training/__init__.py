@@ -42,7 +42,7 @@ differs because its update is not one optimiser step over all trainable paramete
   move the idle branch from its moments even with zero gradients;
 * under DeepSpeed one engine per branch, ZeRO-0/1/2 and fp32 only (ZeRO-3 partitions the parameters
   inside one engine, whose optimiser steps every group on every step: it is refused,
-  ``critic.trainer.deepspeed_backend``);
+  ``critic.optim.deepspeed_backend``);
 * no gradient accumulation or token budget: a batch is ``batch_size`` trajectories with
   ``steps_per_traj`` steps drawn from an RNG that is part of the resumable epoch state; the EMA target
   follows every ``ema_every`` updates; held-out evaluation, early stopping and restoring the best epoch

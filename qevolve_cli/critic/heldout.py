@@ -1,0 +1,77 @@
+"""Held-out trajectories of the critic: which ones are held out (:func:`split_heldout`) and the diagnostics of
+the critic on a set of trajectories (:func:`evaluate_items`, per epoch and at the end)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qevolve_cli.critic.config import CriticConfig
+from qevolve_cli.critic.data import TrajItem
+from qevolve_cli.rewards import process_rewards
+
+
+def split_heldout(items: list[TrajItem], df: Any, fraction: float) -> tuple[list[TrajItem], list[TrajItem]]:
+    """(train items, held-out items): whole trajectories (all their windows) held out by traj_id.
+
+    The choice (:func:`qevolve_cli.critic.diagnostics.heldout_mask`) is deterministic, stratified by
+    outcome, and depends only on the trajectory ids and outcomes, not on the order of the table.
+    """
+    from qevolve_cli.critic.diagnostics import heldout_mask
+
+    if fraction <= 0 or not items:
+        return items, []
+    tid = df["traj_id"].to_numpy()
+    if "success" in df.columns:
+        succ_row = df["success"].to_numpy().astype(bool)
+    else:
+        import polars as pl
+
+        tot = df.group_by("traj_id").agg(pl.col("reward_env").sum())
+        ok = dict(zip(tot["traj_id"].to_list(), (tot["reward_env"] != 0).to_list(), strict=True))
+        succ_row = np.array([ok[t] for t in tid], bool)
+    base = [str(tid[it.rows[0]]) for it in items]
+    ids = sorted(set(base))
+    first = {}
+    for it, b in zip(items, base, strict=True):
+        first.setdefault(b, bool(succ_row[it.rows[0]]))
+    held = dict(zip(ids, heldout_mask(ids, [first[i] for i in ids], fraction), strict=True))
+    train = [it for it, b in zip(items, base, strict=True) if not held[b]]
+    test = [it for it, b in zip(items, base, strict=True) if held[b]]
+    if not train:
+        return items, []
+    return train, test
+
+
+def evaluate_items(trainer: Any, items: list[TrajItem], df: Any, cfg: CriticConfig,
+                   full: bool = False) -> dict[str, Any]:
+    """Diagnostics (:func:`qevolve_cli.critic.diagnostics.diagnose`) of the critic on ``items``' trajectories
+    (``trainer``: a :class:`~qevolve_cli.critic.trainer.CriticTrainer`; its ``score_items`` scores them).
+
+    Scores every step of the items, computes the paper's GAE advantage (r_env only, ``diag_lambda``)
+    from the critic's V, and returns the metrics; ``full`` keeps the per-step curves and calibration
+    bins (final diagnostics), else only scalars and the advantage groups (per-epoch metrics).
+    """
+    import polars as pl
+
+    from qevolve_cli import core
+    from qevolve_cli.critic.diagnostics import diagnose
+
+    if not items:
+        return {}
+    cols = trainer.score_items(items, df.height)
+    rows = np.unique(np.concatenate([it.rows for it in items]))
+    keep = [c for c in ("traj_id", "step", "source", "success", "aux_kind", "reward_env", "reward_aux", "done")
+            if c in df.columns]
+    sub = df.select(keep).with_columns([pl.Series(k, v, pl.Float32) for k, v in cols.items()])[rows]
+    sub = sub.sort(["traj_id", "step"], maintain_order=True)
+    sub = sub.with_columns(pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value"))
+                           .cast(pl.Float32).alias("next_value"))
+    sub = sub.with_columns(process_rewards(sub, "gae", cfg.gamma, cfg.diag_lambda, offs=core.offsets(sub)))
+    d = diagnose(sub, cfg.gamma, cfg.expectile, shaping=cfg.shaping)
+    if d.get("bellman_q") is not None:
+        d["bellman"] = d["bellman_q"] + d["bellman_v"]
+    if not full:
+        d.pop("calibration", None)
+        d.pop("v_by_step", None)
+    return d

@@ -75,8 +75,13 @@ def test_evolve_precision_sets_every_stage():
     assert cfg.stage("rollout", 1).dtype == "bfloat16" and cfg.stage("critic", 1).dtype == "bfloat16"
     cfg = resolve("lamps", "cpu", None, {"precision": "fp32"})
     assert cfg.stage("policy", 2).precision == "fp32" and cfg.stage("rollout", 0).dtype == "float32"
-    auto = resolve("lamps", "cpu", None, {})
-    assert auto.stage("policy", 1).precision == "auto"
+    auto = resolve("lamps", "paper", None, {"model": "/some/model"})
+    assert auto.stage("policy", 1).precision == "auto" and auto.stage("rollout", 1).dtype == "auto"
+    # the tiny-model presets pin fp32 (bf16 is slower on its small matrices: docs/performance.md)
+    for preset in ("cpu", "smoke"):
+        tiny = resolve("lamps", preset, None, {})
+        assert tiny.stage("bc", 0).precision == tiny.stage("policy", 1).precision == "fp32"
+        assert tiny.stage("rollout", 1).dtype == tiny.stage("critic", 1).dtype == "float32"
 
 
 def test_doctor_report_follows_the_cpu_flags(monkeypatch):

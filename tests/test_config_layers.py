@@ -85,7 +85,7 @@ def test_presets_hold_no_copy_of_a_value_the_layers_below_give():
         runs = ([(name, s) for s in ["paper", *SCALE_PRESETS]] if name in ENV_NAMES
                 else [(e, name) for e in ENV_NAMES])
 
-        def trained(env, scale, edited=None):
+        def trained(env, scale, edited=None, name=name):
             pick = lambda n: edited if (edited is not None and n == name) else files[n]  # noqa: E731
             return _trained_with(env, pick(env), scale, pick(scale) if scale != "paper" else None)
 
@@ -214,4 +214,12 @@ def test_errors_name_the_layer_that_set_the_value(tmp_path):
     flat = tmp_path / "r.yaml"
     flat.write_text("rollout: {n_per_task: 0}\n")
     assert err("rollout", "--config", flat, "--print-config") == f"error: {flat} (rollout): field 'n_per_task': must be >= 1, got 0"
-    assert err("critic", "--preset", "nope") .startswith("error: ") and "no such preset" in err("critic", "--preset", "nope")
+    assert err("critic", "--preset", "nope").startswith("error: ") and "no such preset" in err("critic", "--preset", "nope")
+    mine = tmp_path / "ev.yaml"  # evolve: a stage value of an iteration, blamed on the file and its path there
+    mine.write_text("iterations:\n  - policy: {eps_low: 2}\n")
+    assert err("evolve", "--env", "lamps", "--preset", "cpu", "--config", mine, "--print-config") == \
+        f"error: {mine}: field 'iterations[0].policy.eps_low': must be <= 1, got 2.0"
+    mine.write_text("critic: {expectile: 2.0}\n")
+    assert err("evolve", "--env", "lamps", "--preset", "cpu", "--config", mine, "--print-config") == \
+        f"error: {mine}: field 'critic.expectile': must be < 1, got 2.0"
+    assert err("evolve", "--env", "lamps", "--preset", "cpu", "--iters", "-1") == "error: --iters: must be >= 0, got -1"

@@ -93,7 +93,9 @@ class EvolveConfig(ConfigBase):
                 try:
                     self.stage(section, k)
                 except ConfigError as e:
-                    raise ConfigError(source, None, f"{section} (iteration {k}): {e}") from None
+                    err = ConfigError(source, None, f"{section} (iteration {k}): {e}")
+                    err.stage = (section, k, e)  # resolve_with_origin names the layer that set the field
+                    raise err from None
 
     # ---------------------------------------------------------------- stage configs
     def section(self, name: str, iteration: int) -> dict[str, Any]:
@@ -252,4 +254,27 @@ def resolve_with_origin(env: str, preset: str = "paper", config_file: str | Path
         data = deep_merge(data, {k: v}, origin, (flags or {}).get(k, "--" + k.replace("_", "-")))
     data["env"], data["preset"] = env, preset
     origin[("env",)], origin[("preset",)] = "--env", "--preset"
-    return EvolveConfig.from_dict(data, source=config_file or f"preset {env}/{preset}"), origin
+    try:
+        return EvolveConfig.from_dict(data, source=config_file or f"preset {env}/{preset}"), origin
+    except ConfigError as e:
+        raise _blame_layer(e, origin) from None
+
+
+def _blame_layer(err: ConfigError, origin: dict[tuple, str]) -> ConfigError:
+    """``err`` re-addressed to the layer that set the offending value (a preset, ``--config``, a flag)."""
+    if getattr(err, "stage", None) is not None:
+        section, k, inner = err.stage
+        key = (inner.field or "").split(".")[0].split("[")[0]
+        paths = [(("iterations", k - 1, section, key), f"iterations[{k - 1}].{section}")] if k >= 1 else []
+        paths.append(((section, key), section))
+        for path, where in paths:
+            if path in origin:
+                return ConfigError(origin[path], f"{where}.{inner.field}", inner.problem)
+        return err
+    key = (err.field or "").split(".")[0].split("[")[0]
+    layer = origin.get((key,)) or next((v for p, v in origin.items() if p[:1] == (key,)), None)
+    if layer is None:
+        return err
+    if layer.startswith("--"):
+        return ConfigError(layer, None, err.problem)
+    return ConfigError(layer, err.field, err.problem)

@@ -114,11 +114,10 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     from qevolve_cli import schema
     from qevolve_cli.atomic import write_json, write_text
     from qevolve_cli.config import dump_yaml
+    from qevolve_cli.envs.oracle import SOLVERS, has_solver
     from qevolve_cli.evolve.config import EvolveConfig
     from qevolve_cli.evolve.loop import Plan, _scalars
     from qevolve_cli.evolve.rundir import RunDir
-
-    from qevolve_cli.envs.oracle import SOLVERS, has_solver
 
     ccfg = ccfg or CompareConfig()
     run = Path(run_dir)

@@ -1,12 +1,16 @@
-"""The paper's comparison table on `lamps` with the tiny model: SFT, RFT, ETO, Best-of-N (oracle), Q-Evolve.
+"""The paper's comparison table with confidence intervals: SFT, RFT, ETO, Best-of-N (oracle), Q-Evolve.
 
-Per seed: `qevolve evolve --env lamps --preset cpu --iters 1 --seed S` then `qevolve compare` on its run
-directory, both through the library (the same functions as the commands). Prints one JSON object: the
-per-seed tables and, per method and split, the mean and standard error over the seeds of the average
-reward (binary on lamps, so = success rate). --runs DIR keeps the run directories; re-running with the
-same DIR resumes / re-reads finished stages.
+Per environment and seed: `qevolve evolve --env ENV --preset cpu --iters 2 --seed S --select-on-validation`
+with the whole held-out splits (eval_max_tasks 0), then `qevolve compare --select-on-validation` on its run
+directory, both through the library (the same functions as the commands; docs/compare.md). Every arm is
+chosen among the same number of candidates on validation train tasks. Prints one JSON object: per
+environment the per-seed scores, per arm and column the mean and standard error over the seeds, and the
+paired bootstrap 95 % intervals of every arm minus RFT and minus SFT (pairs = the same task of the same
+seed; seeds and tasks resampled: compare.paired_bootstrap). --markdown also prints the tables for
+docs/compare.md on stderr. Resumable: a seed whose comparison is finished with the same configuration is
+read, not re-run; an unfinished one resumes at its last finished stage.
 
-    python benchmarks/bench_compare.py --seeds 0 1 2 --runs runs/compare
+    nice -n 10 python benchmarks/bench_compare.py --envs lamps lamps-hard --seeds 0 1 2 3 4 --runs runs/bench --markdown
 """
 from __future__ import annotations
 
@@ -23,52 +27,172 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+HELD_OUT = "held-out"  # the column of both splits' tasks together
+
+
+def evolve_config(env: str, preset: str, seed: int, iters: int, select: bool, eval_max_tasks: int):
+    from qevolve_cli.evolve.config import resolve
+
+    return resolve(env, preset, None, {"iters": iters, "seed": seed, "eval_max_tasks": eval_max_tasks,
+                                       "select_on_validation": select})
+
+
+def compare_config(env: str, best_of: int, select: bool):
+    from qevolve_cli.evolve.compare import ARMS, CompareConfig
+
+    arms = [a for a in ARMS if a != "qevolve_oracle_v" or has_solver(env)]
+    return CompareConfig(arms=arms, best_of=best_of, select_on_validation=select)
+
+
+def has_solver(env: str) -> bool:
+    from qevolve_cli.envs.oracle import has_solver as hs
+
+    return hs(env)
+
+
+def finished_table(run: Path, cfg, ccfg) -> dict | None:
+    """The seed's comparison table when it is finished with this configuration (nothing re-run)."""
+    import yaml
+
+    from qevolve_cli.evolve.compare import CompareConfig
+    from qevolve_cli.evolve.config import EvolveConfig
+
+    t, cc, ec = run / "compare" / "table.json", run / "compare" / "compare.yaml", run / "config.yaml"
+    if not (t.is_file() and cc.is_file() and ec.is_file()):
+        return None
+    if EvolveConfig.from_dict(yaml.safe_load(ec.read_text())).hash() != cfg.hash():
+        return None
+    if CompareConfig.from_dict(yaml.safe_load(cc.read_text()) or {}).hash() != ccfg.hash():
+        return None
+    return json.loads(t.read_text())
+
+
+def summarize(tables: list[dict], n_boot: int) -> dict:
+    """Per arm: mean / s.e. over seeds of every column and of the held-out tasks together; paired bootstrap
+    intervals of the arm minus RFT and minus SFT on the same tasks."""
+    from qevolve_cli.evolve.compare import mean_se, paired_bootstrap
+
+    cols = tables[0]["columns"]
+    arms = [r["arm"] for r in tables[0]["rows"]]
+    by = [{r["arm"]: r for r in t["rows"]} for t in tables]
+
+    def tasks_of(row, col):
+        return row["per_task"][col] if col != HELD_OUT else {f"{c}:{k}": v for c in cols
+                                                               for k, v in row["per_task"][c].items()}
+
+    out: dict = {}
+    for arm in arms:
+        s: dict = {"method": by[0][arm]["method"], "oracle": by[0][arm]["oracle"], "columns": {}}
+        for col in cols + [HELD_OUT]:
+            vals = []
+            for b in by:
+                pt = tasks_of(b[arm], col)
+                vals.append(sum(pt.values()) / len(pt) if pt else float("nan"))
+            m, se = mean_se(vals)
+            c: dict = {"mean": round(m, 4), "se": round(se, 4), "per_seed": [round(v, 4) for v in vals]}
+            for ref in ("rft", "sft"):
+                if ref == arm or ref not in by[0]:
+                    continue
+                diffs = []
+                for b in by:
+                    a_t, r_t = tasks_of(b[arm], col), tasks_of(b[ref], col)
+                    if set(a_t) != set(r_t):
+                        raise SystemExit(f"bench_compare: {arm} and {ref} were evaluated on different tasks ({col})")
+                    diffs.append([a_t[k] - r_t[k] for k in sorted(a_t)])
+                ci = paired_bootstrap(diffs, n_boot=n_boot)
+                c[f"minus_{ref}"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in ci.items()}
+            s["columns"][col] = c
+        s["self_play_steps"] = [b[arm]["self_play_steps"] for b in by]
+        s["eval_steps"] = [b[arm]["eval_steps"] for b in by]
+        s["selection"] = [b[arm].get("selection") for b in by]
+        out[arm] = s
+    return out
+
+
+def markdown(env: str, seeds: list[int], summary: dict, columns: list[str]) -> str:
+    """Two tables: mean ± s.e. per column (per-seed values in brackets); paired 95 % intervals vs RFT and SFT."""
+    cols = columns + [HELD_OUT]
+
+    def pct(x):
+        return f"{100 * x:.1f}"
+
+    lines = [f"**{env}**, seeds {', '.join(map(str, seeds))}: average final reward x100, mean ± s.e. over seeds "
+             "(per seed)", "", "| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for s in summary.values():
+        cells = [f"{pct(s['columns'][c]['mean'])} ± {pct(s['columns'][c]['se'])} "
+                 f"({', '.join(pct(v) for v in s['columns'][c]['per_seed'])})" for c in cols]
+        name = f"*{s['method']}*" if s["oracle"] else s["method"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"**{env}**: paired difference x100 [bootstrap 95 % interval], same tasks and seeds", "",
+              "| method | " + " | ".join(f"{c} − RFT" for c in cols) + " | " + " | ".join(f"{c} − SFT" for c in cols)
+              + " |", "|---|" + "---|" * (2 * len(cols))]
+    for s in summary.values():
+        cells = []
+        for ref in ("rft", "sft"):
+            for c in cols:
+                d = s["columns"][c].get(f"minus_{ref}")
+                cells.append("–" if d is None else f"{pct(d['mean'])} [{pct(d['lo'])}, {pct(d['hi'])}]")
+        lines.append(f"| {s['method']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--env", default="lamps")
+    ap.add_argument("--envs", nargs="+", default=["lamps", "lamps-hard"])
     ap.add_argument("--preset", default="cpu")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--best-of", type=int, default=6)
-    ap.add_argument("--runs", type=Path, default=None, help="Keep run directories here (default: a temp dir).")
+    ap.add_argument("--eval-max-tasks", type=int, default=0, help="0 = the whole held-out splits.")
+    ap.add_argument("--no-select", action="store_true", help="Without --select-on-validation (the arms' own "
+                                                             "settings).")
+    ap.add_argument("--boot", type=int, default=10000, help="Bootstrap replicates.")
+    ap.add_argument("--runs", type=Path, default=None, help="Keep run directories here (default: a temp dir); a "
+                                                            "rerun with the same DIR skips finished seeds.")
+    ap.add_argument("--collect", action="store_true", help="Only read finished seeds (run nothing).")
+    ap.add_argument("--markdown", action="store_true", help="Also print the tables for docs/compare.md (stderr).")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
+    select = not a.no_select
 
     import torch
 
     torch.set_num_threads(1)
-    from qevolve_cli.evolve.compare import ARM_NAMES, CompareConfig, mean_se, run_compare
-    from qevolve_cli.evolve.config import resolve
+    from qevolve_cli.evolve.compare import run_compare
     from qevolve_cli.evolve.loop import run_evolve
 
     root = a.runs or Path(tempfile.mkdtemp(prefix="qevolve-compare-"))
     echo = (lambda m: print(m, file=sys.stderr, flush=True)) if a.verbose else (lambda _m: None)
-    per_seed = []
-    for seed in a.seeds:
-        t0 = time.perf_counter()
-        run = root / f"{a.env}-{a.preset}-s{seed}"
-        cfg = resolve(a.env, a.preset, None, {"iters": 1, "seed": seed})
-        run_evolve(cfg, run, resume=True, echo=echo, quiet=not a.verbose)
-        t1 = time.perf_counter()
-        table = run_compare(run, CompareConfig(best_of=a.best_of), resume=True, echo=echo, quiet=not a.verbose)
-        table["evolve_s"], table["compare_s"] = round(t1 - t0, 1), round(time.perf_counter() - t1, 1)
-        per_seed.append(table)
-        print(f"seed {seed}: {json.dumps({r['arm']: {c: s['avg_reward'] for c, s in r['scores'].items()} for r in table['rows']})}",
-              file=sys.stderr, flush=True)
-    summary = {}
-    cols = per_seed[0]["columns"]
-    for i, row in enumerate(per_seed[0]["rows"]):
-        arm = row["arm"]
-        s = {}
-        for c in cols:
-            vals = [t["rows"][i]["scores"][c]["avg_reward"] for t in per_seed]
-            m, se = mean_se(vals)
-            s[c] = {"mean": round(m, 4), "se": round(se, 4), "per_seed": vals}
-        s["self_play_steps"] = [t["rows"][i]["self_play_steps"] for t in per_seed]
-        s["eval_steps"] = [t["rows"][i]["eval_steps"] for t in per_seed]
-        summary[ARM_NAMES[arm] + (" (oracle)" if row["oracle"] else "")] = s
-    print(json.dumps({"env": a.env, "preset": a.preset, "seeds": a.seeds, "best_of": a.best_of, "runs": str(root),
-                      "summary": summary, "tables": per_seed}, indent=1))
+    result: dict = {"preset": a.preset, "seeds": a.seeds, "iters": a.iters, "best_of": a.best_of,
+                    "select_on_validation": select, "eval_max_tasks": a.eval_max_tasks, "runs": str(root), "envs": {}}
+    for env in a.envs:
+        tables, done_seeds, times = [], [], {}
+        for seed in a.seeds:
+            run = root / f"{env}-{a.preset}-s{seed}"
+            cfg = evolve_config(env, a.preset, seed, a.iters, select, a.eval_max_tasks)
+            ccfg = compare_config(env, a.best_of, select)
+            table = finished_table(run, cfg, ccfg)
+            if table is None and not a.collect:
+                t0 = time.perf_counter()
+                run_evolve(cfg, run, resume=True, echo=echo, quiet=not a.verbose)
+                t1 = time.perf_counter()
+                table = run_compare(run, ccfg, resume=True, echo=echo, quiet=not a.verbose)
+                times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
+            if table is None:
+                print(f"{env} seed {seed}: not finished (skipped)", file=sys.stderr, flush=True)
+                continue
+            tables.append(table)
+            done_seeds.append(seed)
+            print(f"{env} seed {seed}: " + json.dumps({r["arm"]: {c: s["avg_reward"] for c, s in r["scores"].items()}
+                                                        for r in table["rows"]}), file=sys.stderr, flush=True)
+        if not tables:
+            continue
+        summary = summarize(tables, a.boot)
+        result["envs"][env] = {"seeds": done_seeds, "columns": tables[0]["columns"], "times": times,
+                               "summary": summary}
+        if a.markdown:
+            print(markdown(env, done_seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -33,12 +33,13 @@ def qevolve_env() -> dict[str, str]:
 
 
 def run_qevolve(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = False,
-                input: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``qevolve ARGS`` as a real subprocess (python -m qevolve_cli) from this checkout."""
+                input: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``qevolve ARGS`` as a real subprocess (python -m qevolve_cli) from this checkout (``env``: extra
+    environment variables)."""
     proc = subprocess.run(
         [sys.executable, "-m", "qevolve_cli", *map(str, args)],
         cwd=cwd or ROOT,
-        env=qevolve_env(),
+        env={**qevolve_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -32,6 +32,7 @@ The equivalent shell commands are printed and saved as RUN_DIR/plan.sh.
 Examples:
   qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
   qevolve evolve --env lamps --preset cpu-smol --iters 1 --run-dir runs/demo-smol
+  qevolve evolve --env lamps --preset cpu --iters 2 --select-on-validation --run-dir runs/lamps-sel
   qevolve evolve --env sciworld --iters 2 --preset smoke --run-dir runs/sw-smoke
   qevolve evolve --env alfworld --iters 2 --model /models/Llama-3-8B-Instruct --run-dir runs/alf
   qevolve evolve --env sciworld --iters 2 --model M --run-dir runs/sw --resume   # after Ctrl-C / a crash
@@ -69,6 +70,9 @@ def register(app: typer.Typer) -> None:
         config: ConfigOpt = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Seed of every stage.")] = None,
         precision: PrecisionOpt = None,
+        select: Annotated[bool, typer.Option("--select-on-validation", help="Train every candidate setting of BC and "
+                                             "of each iteration's policy step, keep the best on validation train "
+                                             "tasks (never test; docs/compare.md).")] = False,
         log_to: Annotated[str | None, typer.Option("--log-to", help="Also log metrics to: tensorboard, wandb (comma list).")] = None,
         print_cfg: PrintConfigOpt = False,
         quiet: QuietOpt = False,
@@ -80,7 +84,8 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.evolve.report import print_table
 
             overrides = {"iters": iters, "model": model, "start_policy": policy, "expert_data": expert, "seed": seed,
-                         "precision": precision, "log_to": log_to.split(",") if log_to else None}
+                         "precision": precision, "select_on_validation": True if select else None,
+                         "log_to": log_to.split(",") if log_to else None}
             if model:  # an explicit model replaces the preset's tiny model
                 overrides["init_model"] = None
             from qevolve_cli.models.hub import resolve_model

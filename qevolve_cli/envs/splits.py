@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import os
 
 from qevolve_cli.envs.base import Task
 from qevolve_cli.errors import QevolveError
@@ -35,6 +36,12 @@ SPLITS_BY_ENV = {
     "lamps": ("train", "test_seen", "test_unseen"),  # built in: envs/builtin.py
     "lamps-hard": ("train", "test_seen", "test_unseen"),
 }
+SPLIT_LOG_ENV = "QEVOLVE_SPLIT_LOG"
+"""When set to a file path, every :func:`list_tasks` call appends ``<stage>\t<env>\t<split>`` to that file (the
+audit that selection on validation reads no test split: tests/test_select.py)."""
+STAGE_ENV = "QEVOLVE_STAGE"
+"""Set by a run directory while one of its stages runs (evolve/rundir.py): the ``<stage>`` of the split log."""
+
 _SCIWORLD_FILES = {"train": "train_indices.json", "test_seen": "dev_indices.json", "test_unseen": "test_indices.json"}
 _WEBSHOP_FILES = {"train": "train_indices.json", "test": "test_indices.json"}
 
@@ -65,6 +72,10 @@ def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
         raise QevolveError(f"{env}: unknown split {split!r} (choose from {', '.join(SPLITS_BY_ENV[env])})")
     if limit is not None and limit < 0:
         raise QevolveError(f"--limit must be >= 0, got {limit}")
+    log = os.environ.get(SPLIT_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.environ.get(STAGE_ENV, '-')}\t{env}\t{split}\n")
     tasks: list[Task]
     if env == "sciworld":
         pairs = _load("sciworld", _SCIWORLD_FILES[split])

@@ -28,13 +28,14 @@ evaluations from their journals).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qevolve_cli.config import ConfigBase, field
 from qevolve_cli.errors import ConfigError, QevolveError
+from qevolve_cli.evolve.select import DEFAULT_BC_CANDIDATES, DEFAULT_ETO_CANDIDATES, check_grid
 
 ARMS = ("sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
 ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
@@ -60,6 +61,29 @@ class CompareConfig(ConfigBase):
                                                            "the chosen trajectories, dpo_nll_weight 1.0).")
     qevolve_iteration: int = field(0, help="Iteration that is the Q-Evolve row (0 = the last one with a policy).",
                                    ge=0)
+    select_on_validation: bool = field(False, help="Train every candidate of rft_candidates / eto_candidates and keep "
+                                       "the best on the run's validation train tasks; SFT and Q-Evolve are the run's "
+                                       "own choices (the run must be made with `evolve --select-on-validation`, "
+                                       "with as many candidates). docs/compare.md, 'Fair selection'.")
+    rft_candidates: list[dict[str, float]] = field(default_factory=lambda: [dict(c) for c in DEFAULT_BC_CANDIDATES],
+                                                   help="RFT candidates: multipliers of its config ({} = itself; "
+                                                   "epochs, lr).")
+    eto_candidates: list[dict[str, float]] = field(default_factory=lambda: [dict(c) for c in DEFAULT_ETO_CANDIDATES],
+                                                   help="ETO candidates: multipliers of its config ({} = itself; lr, "
+                                                   "dpo_beta, epochs, dpo_nll_weight).")
+
+    SELECT_FIELDS = ("select_on_validation", "rft_candidates", "eto_candidates")
+
+    def hash(self) -> str:
+        """Without selection the selection fields are left out (comparisons started before they existed resume)."""
+        import hashlib
+        import json
+
+        d = self.to_dict()
+        if not self.select_on_validation:
+            for k in self.SELECT_FIELDS:
+                d.pop(k, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def validate(self, source: Any = None, prefix: str = "") -> None:
         for a in self.arms:
@@ -67,6 +91,8 @@ class CompareConfig(ConfigBase):
                 raise ConfigError(source, prefix + "arms", f"unknown arm {a!r} (choose from {', '.join(ARMS)})")
         if not self.arms:
             raise ConfigError(source, prefix + "arms", "no arm to compare")
+        check_grid(self.rft_candidates, source, prefix + "rft_candidates")
+        check_grid(self.eto_candidates, source, prefix + "eto_candidates")
 
     def rft_config(self, ecfg):
         from qevolve_cli.policy.config import PolicyConfig
@@ -106,9 +132,12 @@ def _echo_stderr(msg: str) -> None:
 
 
 def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str | Path | None = None,
-                resume: bool = False, echo: Callable[[str], None] = _echo_stderr, quiet: bool = False
-                ) -> dict[str, Any]:
-    """Train and evaluate the baseline arms for the evolve run in ``run_dir``; returns the table (a dict)."""
+                resume: bool = False, echo: Callable[[str], None] = _echo_stderr, quiet: bool = False,
+                select_only: bool = False) -> dict[str, Any]:
+    """Train and evaluate the baseline arms for the evolve run in ``run_dir``; returns the table (a dict).
+
+    ``select_only`` (with ``select_on_validation``): stop after the selection (no test split is read);
+    returns ``{"selection": {arm: record}}`` and writes it to ``selection.json``."""
     import yaml
 
     from qevolve_cli import schema
@@ -160,11 +189,45 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     crun = RunDir(cdir)
     data = [str(expert), str(rollout)]
 
+    # ---- selection on validation: SFT and Q-Evolve were chosen by the run; RFT and ETO are chosen here
+    selections: dict[str, Any] = {}
+    if ccfg.select_on_validation:
+        from qevolve_cli.evolve.loop import validation_config, validation_of
+
+        if not ecfg.select_on_validation:
+            raise QevolveError(f"{run}: the evolve run did not select on validation, so its SFT and Q-Evolve rows "
+                               "were not chosen like the others; make it with `qevolve evolve --select-on-validation`")
+        n_cand = len(ecfg.bc_candidates)
+        for arm, grid in (("rft", ccfg.rft_candidates), ("eto", ccfg.eto_candidates)):
+            if arm in ccfg.arms and len(grid) != n_cand:
+                raise QevolveError(f"compare config: field '{arm}_candidates': {len(grid)} candidates but the run "
+                                   f"chose BC and its policy steps among {n_cand}: every arm gets the same number")
+        selections["sft"] = evolve_run.stages.get("bc", {}).get("metrics", {}).get("selection")
+        if k_last:
+            selections["qevolve"] = evolve_run.stages.get(f"iter_{k_last}/policy", {}).get("metrics", {}).get(
+                "selection")
+            selections["qevolve_iterations"] = [
+                evolve_run.stages.get(f"iter_{k}/policy", {}).get("metrics", {}).get("selection")
+                for k in range(1, k_last + 1)]
+        val_tasks, _disjoint = validation_of(ecfg)
+        v_cfg = validation_config(ecfg, 1)
+
     # ---- training arms
     policies: dict[str, Path] = {"sft": bc, "best_of_n": bc}
     if k_last:
         policies["qevolve"] = run / plan.policy(k_last)
-    if "rft" in ccfg.arms:
+    if ccfg.select_on_validation and "rft" in ccfg.arms:
+        from qevolve_cli.evolve.select import select
+
+        def rft_train(c, out_dir):
+            from qevolve_cli.policy.trainer import train_policy
+
+            return train_policy(c, data, base, out_dir, quiet=quiet)
+
+        selections["rft"] = select(crun, "rft", ccfg.rft_config(ecfg), ccfg.rft_candidates, rft_train, v_cfg,
+                                   val_tasks, iteration=1, inputs=data + [str(base)], echo=echo)
+        policies["rft"] = cdir / selections["rft"]["policy"]
+    elif "rft" in ccfg.arms:
         r_cfg = ccfg.rft_config(ecfg)
 
         def train_rft():
@@ -175,7 +238,18 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
         crun.run_stage("rft", train_rft, inputs=data + [str(base)], outputs=["rft/policy"],
                        config_hash=r_cfg.hash(), iteration=1, echo=echo)
         policies["rft"] = cdir / "rft" / "policy"
-    if "eto" in ccfg.arms:
+    if ccfg.select_on_validation and "eto" in ccfg.arms:
+        from qevolve_cli.evolve.select import select
+
+        def eto_train(c, out_dir):
+            from qevolve_cli.policy.trainer import train_policy
+
+            return train_policy(c, data, bc, out_dir, ref=bc, quiet=quiet)
+
+        selections["eto"] = select(crun, "eto", ccfg.eto_config(ecfg), ccfg.eto_candidates, eto_train, v_cfg,
+                                   val_tasks, iteration=1, inputs=data + [str(bc)], echo=echo)
+        policies["eto"] = cdir / selections["eto"]["policy"]
+    elif "eto" in ccfg.arms:
         d_cfg = ccfg.eto_config(ecfg)
 
         def train_eto():
@@ -215,6 +289,11 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
                        outputs=["oracle_v/policy"], config_hash=o_cfg.hash(), iteration=1, echo=echo)
         policies["qevolve_oracle_v"] = cdir / "oracle_v" / "policy"
 
+    if ccfg.select_on_validation:
+        write_json(cdir / "selection.json", selections)
+    if select_only:
+        return {"run": str(run), "env": ecfg.env, "seed": ecfg.seed, "selection": selections}
+
     # ---- evaluations: the run's own eval config per split (as evolve's _evaluate)
     def eval_cfg(k: int, split: str):
         return ecfg.stage("rollout", max(k, 1)).replace(split=split, max_tasks=ecfg.eval_max_tasks, iteration=k)
@@ -240,7 +319,8 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
                 e_cfg = e_cfg.replace(temperature=ccfg.bon_temperature)
             reused = from_run(f"iter_{k}/eval_{split}", e_cfg.hash()) if arm in ("sft", "qevolve") else None
             if reused is not None:
-                results[arm][split] = {**reused, "source": f"{run.name}/iter_{k}/eval_{split}"}
+                results[arm][split] = {**reused, "source": f"{run.name}/iter_{k}/eval_{split}",
+                                       "table": run / f"iter_{k}/eval_{split}.parquet"}
                 continue
             name = f"eval/{arm}_{split}"
 
@@ -253,7 +333,15 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             h = e_cfg.hash() + (f"-bon{best_of}" if best_of > 1 else "")
             m = crun.run_stage(name, ev, inputs=[str(policies[arm])], outputs=[f"{name}.parquet"], config_hash=h,
                                iteration=k, echo=echo)
-            results[arm][split] = {**m, "source": f"compare/{name}"}
+            results[arm][split] = {**m, "source": f"compare/{name}", "table": cdir / f"{name}.parquet"}
+
+    # ---- earlier Q-Evolve iterations (an --iters 2 run: iteration 1 too): the run's own evaluations, read
+    earlier: dict[int, dict[str, dict[str, Any]]] = {}
+    for k in range(1, k_last if "qevolve" in ccfg.arms else 0):
+        got = {split: from_run(f"iter_{k}/eval_{split}", eval_cfg(k, split).hash()) for split in ecfg.eval_splits}
+        if all(m is not None for m in got.values()):
+            earlier[k] = {split: {**m, "source": f"{run.name}/iter_{k}/eval_{split}",
+                                  "table": run / f"iter_{k}/eval_{split}.parquet"} for split, m in got.items()}
 
     # ---- env steps: expert demonstrations (every arm starts from BC on them), self-play rollouts for training
     expert_steps = schema.read_table(expert, validate_rows=False).height
@@ -264,6 +352,20 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
                   "qevolve": sum(rollout_steps.get(k, 0) for k in range(1, k_last + 1))}
     rows = []
     for arm in ccfg.arms:
+        if arm == "qevolve":  # its earlier iterations first, each a row (iteration k+1 started from k)
+            for k, res in sorted(earlier.items()):
+                qsel = selections.get("qevolve_iterations")
+                rows.append({
+                    "arm": f"qevolve_iter{k}", "method": f"{ARM_NAMES['qevolve']} (iter {k})", "oracle": False,
+                    "expert_steps": expert_steps, "self_play_steps": sum(rollout_steps.get(j, 0) for j in range(1, k + 1)),
+                    "eval_steps": int(sum(int(m.get("env_steps", 0)) for m in res.values())),
+                    "scores": {f"{ecfg.env}/{split}": {"avg_reward": m.get("avg_reward"),
+                                                       "success_rate": m.get("success_rate"), "n": m.get("n"),
+                                                       "source": m.get("source")} for split, m in res.items()},
+                    "per_task": {f"{ecfg.env}/{split}": per_task_rewards(m["table"]) for split, m in res.items()},
+                    "budget": [b for b in [budget_of(bc, "BC")] + [budget_of(run / plan.policy(j), f"it {j}")
+                                                                   for j in range(1, k + 1)] if b],
+                    "selection": qsel[:k] if qsel else None})
         name = ARM_NAMES[arm] + (f" (N={ccfg.best_of}, oracle)" if arm == "best_of_n" else "")
         if arm == "qevolve":
             name += f" (iter {k_last})"
@@ -275,6 +377,19 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             row["scores"][f"{ecfg.env}/{split}"] = {"avg_reward": m.get("avg_reward"),
                                                     "success_rate": m.get("success_rate"), "n": m.get("n"),
                                                     "source": m.get("source")}
+        # per task of every split: the final reward (Best-of-N: the best of its N), for paired statistics
+        row["per_task"] = {f"{ecfg.env}/{split}": per_task_rewards(m["table"]) for split, m in results[arm].items()}
+        if arm == "qevolve":  # BC, then every iteration's policy step
+            row["budget"] = [budget_of(bc, "BC")] + [budget_of(run / plan.policy(k), f"it {k}")
+                                                     for k in range(1, k_last + 1)]
+            sel = selections.get("qevolve_iterations")
+        else:
+            row["budget"] = [budget_of(policies[arm], "BC" if arm in ("sft", "best_of_n") else ARM_NAMES[arm])]
+            sel = selections.get(arm) if arm != "best_of_n" else None
+        row["budget"] = [b for b in row["budget"] if b]
+        row["selection"] = sel
+        if arm == "best_of_n" and ccfg.select_on_validation:
+            row["selection_note"] = "BC as chosen for SFT; no training of its own"
         rows.append(row)
     table = {"run": str(run), "env": ecfg.env, "seed": ecfg.seed, "splits": list(ecfg.eval_splits),
              "columns": [f"{ecfg.env}/{s}" for s in ecfg.eval_splits], "best_of": ccfg.best_of,
@@ -284,17 +399,103 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     return table
 
 
+def per_task_rewards(table: str | Path) -> dict[str, float]:
+    """{task_id: final reward} of an evaluation table: each trajectory's summed ``reward_env`` (0 for a crashed
+    episode, as the evaluation counts it), the best trajectory of each task (Best-of-N keeps the best of its N)."""
+    import polars as pl
+
+    df = pl.read_parquet(table)
+    failed = pl.col("error").is_not_null().any() if "error" in df.columns else pl.lit(False)
+    per = (df.group_by("traj_id").agg(pl.col("task_id").first(), pl.col("reward_env").sum().alias("r"),
+                                      failed.alias("failed"))
+           .with_columns(pl.when(pl.col("failed")).then(0.0).otherwise(pl.col("r")).alias("r"))
+           .group_by("task_id").agg(pl.col("r").max()).sort("task_id"))
+    return {t: float(r) for t, r in zip(per["task_id"], per["r"], strict=True)}
+
+
+def paired_bootstrap(diffs: Sequence[Sequence[float]], n_boot: int = 10000, seed: int = 0,
+                     level: float = 0.95) -> dict[str, float]:
+    """Two-level paired bootstrap of a mean difference -> ``{"mean", "lo", "hi", "seeds", "tasks"}``.
+
+    ``diffs[s][t]`` = arm A minus arm B on task ``t`` of seed ``s`` (the same tasks for every seed: a
+    rectangular S x T array). Each of ``n_boot`` replicates draws S seeds with replacement, then for each
+    drawn seed T of its tasks with replacement, and takes the mean of the drawn differences; ``lo`` / ``hi``
+    are the replicates' (1 - level) / 2 and (1 + level) / 2 quantiles (percentile interval). Resampling the
+    seeds carries the between-seed spread into the interval (on lamps it is larger than the task noise).
+    Draw order, for reproduction: ``rng = numpy.random.default_rng(seed)``; seeds ``rng.integers(0, S, (n_boot,
+    S))``, then tasks ``rng.integers(0, T, (n_boot, S, T))``."""
+    import numpy as np
+
+    if not diffs or len({len(r) for r in diffs}) != 1 or not len(diffs[0]):
+        raise ValueError(f"paired_bootstrap: expected seeds x tasks differences (the same tasks for every seed), got "
+                         f"rows of lengths {sorted({len(r) for r in diffs})}")
+    d = np.asarray(diffs, dtype=np.float64)
+    n_s, n_t = d.shape
+    rng = np.random.default_rng(seed)
+    si = rng.integers(0, n_s, (n_boot, n_s))
+    ti = rng.integers(0, n_t, (n_boot, n_s, n_t))
+    reps = d[si[:, :, None], ti].mean(axis=(1, 2))
+    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
+    return {"mean": float(d.mean()), "lo": float(lo), "hi": float(hi), "seeds": n_s, "tasks": n_t}
+
+
+def budget_of(policy: Path, stage: str) -> dict[str, Any] | None:
+    """What a trained policy directory was trained with: objective, epochs, lr, data (trajectories, or DPO pairs),
+    from its ``config.yaml`` and ``train_summary.json``; None when it has neither."""
+    import json
+
+    import yaml
+
+    cfg_p, sum_p = Path(policy) / "config.yaml", Path(policy) / "train_summary.json"
+    if not cfg_p.is_file() or not sum_p.is_file():
+        return None
+    c = yaml.safe_load(cfg_p.read_text()) or {}
+    m = json.loads(sum_p.read_text())
+    b = {"stage": stage, "objective": c.get("objective"), "epochs": c.get("epochs"), "lr": c.get("lr")}
+    if c.get("objective") == "dpo":
+        b.update(data=m.get("dpo_pairs"), unit="pairs", dpo_beta=c.get("dpo_beta"),
+                 dpo_nll_weight=c.get("dpo_nll_weight", 0.0))
+    else:
+        b.update(data=m.get("trajectories"), unit="traj")
+    return b
+
+
+def budget_text(budget: list[dict[str, Any]]) -> str:
+    """``BC 12 ep x 2e-03 x 60 traj; it 1 2 ep x 1e-04 x 210 traj`` (a DPO step adds beta and the NLL weight)."""
+    parts = []
+    for b in budget:
+        t = f"{b['stage']} {b['epochs']} ep x {b['lr']:.0e} x {b['data']} {b['unit']}"
+        if b.get("unit") == "pairs":
+            t += f" (beta {b['dpo_beta']:g}, nll {b['dpo_nll_weight']:g})"
+        parts.append(t)
+    return "; ".join(parts) or "–"
+
+
+def selection_text(row: dict[str, Any]) -> str:
+    from qevolve_cli.evolve.select import describe
+
+    sel = row.get("selection")
+    if isinstance(sel, list):  # Q-Evolve: one choice per iteration
+        return "; ".join(f"it {k} {describe(s)}" for k, s in enumerate(sel, 1)) or "–"
+    if sel:
+        return describe(sel)
+    return row.get("selection_note") or "–"
+
+
 def table_markdown(table: dict[str, Any]) -> str:
-    """The paper's layout: rows = methods, columns = env x split (average reward x100), then env steps."""
+    """The paper's layout: rows = methods, columns = env x split (average reward x100), then env steps, the
+    training budget of every row and its choice on validation."""
     cols = table["columns"]
-    head = "| method | " + " | ".join(cols) + " | self-play env steps (train) | env steps at eval |"
-    lines = [head, "|" + "---|" * (len(cols) + 3)]
+    head = ("| method | " + " | ".join(cols) + " | self-play env steps (train) | env steps at eval | "
+            "trained on (epochs x lr x data) | chosen on validation (candidates: val x100) |")
+    lines = [head, "|" + "---|" * (len(cols) + 5)]
     for r in table["rows"]:
         cells = []
         for c in cols:
             s = r["scores"].get(c)
             cells.append("–" if s is None or s.get("avg_reward") is None else f"{100 * s['avg_reward']:.1f}")
-        lines.append(f"| {r['method']} | " + " | ".join(cells) + f" | {r['self_play_steps']} | {r['eval_steps']} |")
+        lines.append(f"| {r['method']} | " + " | ".join(cells) + f" | {r['self_play_steps']} | {r['eval_steps']} | "
+                     f"{budget_text(r.get('budget', []))} | {selection_text(r)} |")
     notes = [f"Average final reward x100 (the paper's metric); {table['env']}, seed {table['seed']}, "
              f"expert demonstrations: {table['rows'][0]['expert_steps'] if table['rows'] else 0} env steps "
              "(used by every arm)."]

@@ -21,6 +21,7 @@ from typing import Any
 from qevolve_cli.config import ConfigBase, configs_dir, default_layer_name, field, load_yaml, scale_parts
 from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
 from qevolve_cli.errors import ConfigError
+from qevolve_cli.evolve.select import DEFAULT_BC_CANDIDATES, DEFAULT_POLICY_CANDIDATES
 from qevolve_cli.precision import DTYPE_OF
 
 SCALES = ("paper", "smoke", "cpu", "cpu-smol")
@@ -62,6 +63,31 @@ class EvolveConfig(ConfigBase):
     policy: dict[str, Any] = field(default_factory=dict, help="PolicyConfig overrides of the BPPO stage.")
     iterations: list[dict[str, Any]] = field(default_factory=list,
                                              help="Per-iteration overrides: iterations[k-1] = {rollout/critic/policy: {...}}.")
+    select_on_validation: bool = field(False, help="Train every candidate of bc_candidates (BC) and of "
+                                       "policy_candidates (each iteration's policy step) and keep the one with the "
+                                       "highest greedy reward on the validation tasks (docs/compare.md).")
+    validation_tasks: int = field(40, help="--select-on-validation: the last N tasks of the train split (never a "
+                                  "test split) are the validation tasks.", ge=1)
+    bc_candidates: list[dict[str, float]] = field(default_factory=lambda: [dict(c) for c in DEFAULT_BC_CANDIDATES],
+                                                  help="--select-on-validation: BC candidates, multipliers of the bc "
+                                                  "stage's fields ({} = the stage itself; epochs, lr).")
+    policy_candidates: list[dict[str, float]] = field(
+        default_factory=lambda: [dict(c) for c in DEFAULT_POLICY_CANDIDATES],
+        help="--select-on-validation: policy-step candidates of every iteration, multipliers of the policy stage's "
+             "fields ({} = the stage itself; lr, epochs).")
+
+    SELECT_FIELDS = ("select_on_validation", "validation_tasks", "bc_candidates", "policy_candidates")
+
+    def hash(self) -> str:
+        """Without selection the selection fields are left out, so runs made before they existed still resume."""
+        import hashlib
+        import json
+
+        d = self.to_dict()
+        if not self.select_on_validation:
+            for k in self.SELECT_FIELDS:
+                d.pop(k, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def validate(self, source: Any = None, prefix: str = "") -> None:
         for s in self.eval_splits:
@@ -82,6 +108,13 @@ class EvolveConfig(ConfigBase):
                 if parts[1] not in SOURCES:
                     raise ConfigError(source, prefix + "init_model",
                                       f"unknown pretrained model {parts[1]!r} (choose from {', '.join(SOURCES)})")
+        from qevolve_cli.evolve.select import check_grid
+
+        check_grid(self.bc_candidates, source, prefix + "bc_candidates")
+        check_grid(self.policy_candidates, source, prefix + "policy_candidates")
+        if self.select_on_validation and len(self.bc_candidates) != len(self.policy_candidates):
+            raise ConfigError(source, prefix + "policy_candidates", f"{len(self.policy_candidates)} candidates but "
+                              f"bc_candidates has {len(self.bc_candidates)}: every arm gets the same number")
         for i, it in enumerate(self.iterations):
             unknown = sorted(set(it) - set(STAGE_SECTIONS))
             if unknown:

@@ -15,6 +15,7 @@ from typing import Any
 from qevolve_cli.errors import QevolveError
 from qevolve_cli.evolve.config import EvolveConfig
 from qevolve_cli.evolve.rundir import RunDir, make_sinks
+from qevolve_cli.evolve.rundir import scalars as _scalars  # noqa: F401 - re-exported (compare, benchmarks)
 
 
 def _echo_stderr(msg: str) -> None:
@@ -192,8 +193,17 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
 
             return _scalars(train_policy(bc_cfg, expert, base, run.path / "bc" / "policy", quiet=quiet))
 
-        run.run_stage("bc", bc, inputs=[plan.expert(), plan.base_model()], outputs=["bc/policy"],
-                      config_hash=bc_cfg.hash(), iteration=0, echo=echo)
+        if cfg.select_on_validation:
+            def train_bc(c, out):
+                from qevolve_cli.policy.trainer import train_policy
+
+                return train_policy(c, expert, base, out, quiet=quiet)
+
+            _select_and_adopt(cfg, run, "bc", "bc/policy", 0, bc_cfg, cfg.bc_candidates, train_bc,
+                              [plan.expert(), plan.base_model()], echo)
+        else:
+            run.run_stage("bc", bc, inputs=[plan.expert(), plan.base_model()], outputs=["bc/policy"],
+                          config_hash=bc_cfg.hash(), iteration=0, echo=echo)
 
     scores: dict[int, dict[str, Any]] = {}
     if cfg.eval_bc:
@@ -259,8 +269,17 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
             return _scalars(train_policy(p_cfg, run.path / it / "advantages.parquet", prev, run.path / it / "policy",
                                          ref=prev, quiet=quiet))
 
-        run.run_stage(f"{it}/policy", policy, inputs=[f"{it}/advantages.parquet", plan.policy(k - 1)],
-                      outputs=[f"{it}/policy"], config_hash=p_cfg.hash(), iteration=k, echo=echo)
+        if cfg.select_on_validation:
+            def train_step(c, out, it=it, prev=prev):
+                from qevolve_cli.policy.trainer import train_policy
+
+                return train_policy(c, run.path / it / "advantages.parquet", prev, out, ref=prev, quiet=quiet)
+
+            _select_and_adopt(cfg, run, it, f"{it}/policy", k, p_cfg, cfg.policy_candidates, train_step,
+                              [f"{it}/advantages.parquet", plan.policy(k - 1)], echo)
+        else:
+            run.run_stage(f"{it}/policy", policy, inputs=[f"{it}/advantages.parquet", plan.policy(k - 1)],
+                          outputs=[f"{it}/policy"], config_hash=p_cfg.hash(), iteration=k, echo=echo)
         scores[k] = _evaluate(cfg, run, k, P(plan.policy(k)), echo, quiet)
 
     from qevolve_cli.evolve.report import build_report
@@ -284,6 +303,65 @@ def _echo_critic_diagnostics(critic_dir: Path, k: int, echo: Callable[[str], Non
         echo(f"[critic] iteration {k}: {w}")
 
 
+def validation_of(cfg: EvolveConfig) -> tuple[list[Any], bool]:
+    """The run's validation tasks (the last ``cfg.validation_tasks`` train tasks) and whether they are disjoint
+    from the train tasks its expert demonstrations and rollouts use (the first ones)."""
+    from qevolve_cli.evolve.select import validation_tasks
+
+    limits = [cfg.expert_limit] + [cfg.stage("rollout", k).max_tasks for k in range(1, max(cfg.iters, 1) + 1)]
+    used = 0 if 0 in limits else max(limits)
+    return validation_tasks(cfg.env, cfg.validation_tasks, used)
+
+
+def validation_config(cfg: EvolveConfig, k: int):
+    """The evaluation config of the validation tasks after iteration ``k``: the run's own (greedy, same limits),
+    on the train split."""
+    return cfg.stage("rollout", max(k, 1)).replace(split="train", max_tasks=0, iteration=k)
+
+
+def _select_and_adopt(cfg: EvolveConfig, run: RunDir, prefix: str, target: str, k: int, base_cfg, grid, train,
+                      inputs: list[str], echo) -> dict[str, Any]:
+    """--select-on-validation: train and validate every candidate (evolve/select.py), then the stage ``target``
+    (``bc/policy`` or ``iter_k/policy``) adopts the chosen one (hard links) and records the selection."""
+    from qevolve_cli.evolve.select import describe, select
+
+    tasks, disjoint = validation_of(cfg)
+    if not disjoint:
+        echo(f"[select] warning: the {len(tasks)} validation tasks overlap the train tasks of the expert "
+             "demonstrations or rollouts (the train split is too small to carve them apart)")
+    sel = select(run, prefix, base_cfg, grid, train, validation_config(cfg, k), tasks, iteration=k, inputs=inputs,
+                 echo=echo)
+    sel["disjoint"] = disjoint
+
+    def adopt(sel=sel):
+        _link_tree(run.path / sel["policy"], run.path / target)
+        return {"selection": sel}
+
+    h = _h(base_cfg.hash(), [c["tag"] for c in sel["candidates"]], [c["val_avg_reward"] for c in sel["candidates"]])
+    name = "bc" if target == "bc/policy" else target  # the stage names of a run without selection
+    run.run_stage(name, adopt, inputs=list(inputs) + [sel["policy"]], outputs=[target], config_hash=h, iteration=k,
+                  echo=echo)
+    echo(f"[select] {target}: {describe(sel)}")
+    return sel
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``dst`` = a copy of the directory ``src`` made of hard links (a plain copy where links fail), atomically."""
+    import os
+    import shutil
+
+    from qevolve_cli.atomic import atomic_dir
+
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    with atomic_dir(dst) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True, copy_function=link)
+
+
 def _evaluate(cfg: EvolveConfig, run: RunDir, k: int, policy: str, echo, quiet: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for split in cfg.eval_splits:
@@ -305,18 +383,3 @@ def _h(*parts: Any) -> str:
     import hashlib
 
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
-
-
-def _scalars(d: Any) -> dict[str, Any]:
-    """Keep the JSON-friendly part of a stage's metrics (nested dicts kept, long lists dropped)."""
-    if not isinstance(d, dict):
-        return {}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[k] = v
-        elif isinstance(v, dict):
-            out[k] = _scalars(v)
-        elif isinstance(v, (list, tuple)) and len(v) <= 64 and all(isinstance(x, (int, float, str, dict)) for x in v):
-            out[k] = [_scalars(x) if isinstance(x, dict) else x for x in v]
-    return out

@@ -23,12 +23,14 @@ up their partial work (docs/evolve.md, "What survives a failure").
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from qevolve_cli.atomic import write_json
+from qevolve_cli.envs.splits import STAGE_ENV
 from qevolve_cli.errors import QevolveError
 
 MANIFEST = "manifest.json"
@@ -88,6 +90,8 @@ class RunDir:
         self.save()
         echo(f"[run]  {name}" + (f" (attempt {attempt}, resuming)" if attempt > 1 else ""))
         t0 = time.perf_counter()
+        outer = os.environ.get(STAGE_ENV)
+        os.environ[STAGE_ENV] = name  # split-access logs name the stage (envs/splits.py, SPLIT_LOG_ENV)
         try:
             metrics = fn() or {}
         except BaseException as e:
@@ -96,6 +100,11 @@ class RunDir:
                       error=str(e).splitlines()[0] if str(e) else type(e).__name__, seconds=time.perf_counter() - t0)
             self.save()
             raise
+        finally:
+            if outer is None:
+                os.environ.pop(STAGE_ENV, None)
+            else:
+                os.environ[STAGE_ENV] = outer
         missing = [o for o in outputs if not (self.path / o).exists()]
         if missing:
             raise QevolveError(f"stage {name!r} finished without writing {', '.join(missing)}")
@@ -148,3 +157,18 @@ def make_sinks(kinds: list[str], run: Path, warn: Callable[[str], None]) -> list
             sinks.append(lambda rec, r=wrun: r.log({f"{rec.get('stage', 'run')}/{k}": v for k, v in rec.items()
                                                     if isinstance(v, (int, float)) and not isinstance(v, bool)}))
     return sinks
+
+
+def scalars(d: Any) -> dict[str, Any]:
+    """Keep the JSON-friendly part of a stage's metrics (nested dicts kept, long lists dropped)."""
+    if not isinstance(d, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = scalars(v)
+        elif isinstance(v, (list, tuple)) and len(v) <= 64 and all(isinstance(x, (int, float, str, dict)) for x in v):
+            out[k] = [scalars(x) if isinstance(x, dict) else x for x in v]
+    return out

@@ -1,0 +1,147 @@
+"""--select-on-validation (evolve/select.py): the pure parts against plain loops, then a smoke-scale `lamps` run
+whose split-access log proves that no test split is read while candidates are chosen."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from qevolve_cli.errors import ConfigError
+from qevolve_cli.evolve import select as S
+from tests.conftest import run_qevolve
+
+
+def ref_pick(scores):
+    """Plain loop: the first index holding the maximum of the non-None scores."""
+    vals = [v for v in scores if v is not None]
+    if not vals:
+        return None
+    top = max(vals)
+    for i, v in enumerate(scores):
+        if v == top:
+            return i
+
+
+@pytest.mark.parametrize("scores", [[0.5, 0.7, 0.7], [None, 0.0, 0.0], [0.2], [None, None], [], [0.9, None, 0.1],
+                                    [0.1, 0.3, 0.2, 0.3, 0.05]])
+def test_pick_best_matches_a_plain_loop_and_ties_go_to_the_earlier(scores):
+    assert S.pick_best(scores) == ref_pick(scores)
+
+
+def test_candidates_tags_and_scaling():
+    from qevolve_cli.policy.config import PolicyConfig
+
+    assert S.candidate_tag({}) == "base"
+    assert S.candidate_tag({"lr": 0.2, "epochs": 2}) == "epochs2-lr0.2"
+    base = PolicyConfig(objective="dpo", lr=1e-4, epochs=3, dpo_beta=0.1)
+    assert S.apply_candidate(base, {}) == base
+    c = S.apply_candidate(base, {"lr": 5, "epochs": 0.5, "dpo_beta": 5})
+    assert (c.lr, c.epochs, c.dpo_beta) == (pytest.approx(5e-4), 2, pytest.approx(0.5))  # 1.5 epochs round to 2
+    assert S.apply_candidate(base, {"epochs": 0.1}).epochs == 1  # at least one epoch
+    assert S.setting_of(c) == {"objective": "dpo", "epochs": 2, "lr": c.lr, "dpo_beta": c.dpo_beta,
+                               "dpo_nll_weight": 0.0}
+    for bad, needle in (([], "no candidate"), ([{"warmup_ratio": 2}], "cannot be scaled"),
+                        ([{"lr": 0}], "must be a number > 0"), ([{}, {}], "listed twice")):
+        with pytest.raises(ConfigError, match=needle):
+            S.check_grid(bad, "x.yaml", "grid")
+
+
+def test_validation_tasks_are_the_last_train_tasks():
+    from qevolve_cli.envs.splits import list_tasks
+
+    train = [t.task_id for t in list_tasks("lamps", "train")]
+    tasks, disjoint = S.validation_tasks("lamps", 40, 60)
+    assert [t.task_id for t in tasks] == train[-40:] and disjoint
+    assert S.validation_tasks("lamps", 40, len(train) - 39)[1] is False
+    assert S.validation_tasks("lamps", 40, 0)[1] is False  # 0 = every train task is used
+    with pytest.raises(ConfigError, match="validation_tasks"):
+        S.validation_tasks("lamps", len(train) + 1, 0)
+
+
+def test_evolve_and_compare_configs_check_the_grids():
+    from qevolve_cli.evolve.compare import CompareConfig
+    from qevolve_cli.evolve.config import resolve
+
+    with pytest.raises(ConfigError, match="policy_candidates.*every arm gets the same number"):
+        resolve("lamps", "smoke", None, {"select_on_validation": True, "policy_candidates": [{}]})
+    with pytest.raises(ConfigError, match=r"eto_candidates\[1\].foo"):
+        CompareConfig.from_dict({"eto_candidates": [{}, {"foo": 2}]})
+    # without selection the new fields do not enter the hash (runs made before them still resume)
+    a = resolve("lamps", "smoke", None, {})
+    assert a.hash() == a.replace(policy_candidates=[{}]).hash() != a.replace(select_on_validation=True).hash()
+
+
+def split_log(path: Path) -> list[tuple[str, str, str]]:
+    return [tuple(ln.split("\t")) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_selection_reads_no_test_split(tmp_path):
+    """A real evolve + compare with selection in subprocesses, every list_tasks call logged with its stage
+    (QEVOLVE_SPLIT_LOG): candidates, validation and choice read only the train split; test splits are read by
+    the evaluation stages alone; compare --select-only reads none."""
+    cfg = tmp_path / "sel.yaml"
+    cfg.write_text("select_on_validation: true\nvalidation_tasks: 2\nbc_candidates: [{}, {epochs: 2}]\n"
+                   "policy_candidates: [{}, {lr: 0.5}]\n")
+    run, log = tmp_path / "run", tmp_path / "splits.log"
+    env = {"QEVOLVE_SPLIT_LOG": str(log)}
+    r = run_qevolve("evolve", "--env", "lamps", "--preset", "smoke", "--iters", "2", "--config", cfg, "--run-dir", run,
+                    "--quiet", "--json", timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = split_log(log)
+    assert lines and all(split == "train" for stage, _e, split in lines if "/eval_" not in stage), lines
+    assert {split for stage, _e, split in lines if "/eval_" in stage} == {"test_seen", "test_unseen"}
+    man = json.loads((run / "manifest.json").read_text())["stages"]
+    for stage, prefix in (("bc", "bc"), ("iter_1/policy", "iter_1"), ("iter_2/policy", "iter_2")):
+        sel = man[stage]["metrics"]["selection"]
+        assert [c["tag"] for c in sel["candidates"]] == (["base", "epochs2"] if stage == "bc" else ["base", "lr0.5"])
+        assert sel["validation_tasks"] == 2 and sel["disjoint"] is True
+        # the adopted policy is the chosen candidate's (hard links of the same files)
+        assert sel["policy"] == f"{prefix}/cand_{sel['chosen']}/policy"
+        adopted = run / ("bc/policy" if stage == "bc" else stage)
+        files = [f for f in (run / sel["policy"]).iterdir() if f.is_file()]
+        assert files and all(os.path.samefile(f, adopted / f.name) for f in files)
+        # the validation games are the last train tasks
+        import polars as pl
+
+        ids = pl.read_parquet(run / prefix / "cand_base" / "val.parquet")["task_id"].unique().to_list()
+        assert sorted(ids) == sorted(t.task_id for t in S.validation_tasks("lamps", 2, 0)[0])
+    log.unlink()
+    sets = ["--set", "rft_candidates=[{}, {epochs: 2}]", "--set", "eto_candidates=[{}, {lr: 5}]",
+            "--set", "arms=[sft, rft, eto, qevolve]"]
+    r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--select-only", *sets, "--quiet",
+                    timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {split for _s, _e, split in split_log(log)} == {"train"}, split_log(log)
+    sel = json.loads(r.stdout)["selection"]
+    assert {a: len(sel[a]["candidates"]) for a in ("sft", "rft", "eto", "qevolve")} == dict.fromkeys(
+        ("sft", "rft", "eto", "qevolve"), 2)
+    assert json.loads((run / "compare" / "selection.json").read_text()) == sel
+    # the full comparison (resumed): the selection is reused, the test splits are read by evaluations only
+    r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--resume", *sets, "--json", "--quiet",
+                    timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert all(split == "train" for stage, _e, split in split_log(log) if not stage.startswith("eval/"))
+    t = json.loads(r.stdout)
+    rows = {row["arm"]: row for row in t["rows"]}
+    # two iterations: iteration 1 is a row too (the run's own evaluation, reused), iteration 2 started from it
+    assert [row["arm"] for row in t["rows"]] == ["sft", "rft", "eto", "qevolve_iter1", "qevolve"]
+    assert rows["qevolve"]["method"] == "Q-Evolve (iter 2)" and rows["qevolve_iter1"]["method"] == "Q-Evolve (iter 1)"
+    for split in ("test_seen", "test_unseen"):
+        assert rows["qevolve_iter1"]["scores"][f"lamps/{split}"]["avg_reward"] == \
+            man[f"iter_1/eval_{split}"]["metrics"]["avg_reward"]
+    assert rows["qevolve_iter1"]["self_play_steps"] < rows["qevolve"]["self_play_steps"]
+    assert rows["rft"]["selection"] == sel["rft"] and rows["qevolve"]["selection"][-1] == sel["qevolve"]
+    assert len(rows["qevolve"]["selection"]) == 2 and len(rows["qevolve_iter1"]["selection"]) == 1
+    assert [b["stage"] for b in rows["qevolve"]["budget"]] == ["BC", "it 1", "it 2"]
+    assert set(rows["rft"]["per_task"]["lamps/test_seen"]) == set(rows["sft"]["per_task"]["lamps/test_seen"])
+    eto_b = rows["eto"]["budget"][0]
+    assert eto_b["unit"] == "pairs" and eto_b["dpo_nll_weight"] == 1.0
+    md = (run / "compare" / "table.md").read_text()
+    assert "trained on (epochs x lr x data)" in md and f"**{sel['eto']['chosen']}** of 2" in md
+    # a run made without selection is refused, naming the remedy
+    r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--set", "rft_candidates=[{}]",
+                    "--out", tmp_path / "c2", "--quiet", timeout=300, env=env)
+    assert r.returncode == 2 and "rft_candidates': 1 candidates but the run chose" in r.stderr

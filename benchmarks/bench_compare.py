@@ -138,7 +138,7 @@ def markdown(env: str, seeds: list[int], summary: dict, columns: list[str]) -> s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--envs", nargs="+", default=["lamps", "lamps-hard"])
+    ap.add_argument("--envs", "--env", nargs="+", default=["lamps", "lamps-hard"])
     ap.add_argument("--preset", default="cpu")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--iters", type=int, default=2)

@@ -110,14 +110,14 @@ def test_selection_reads_no_test_split(tmp_path):
         assert sorted(ids) == sorted(t.task_id for t in S.validation_tasks("lamps", 2, 0)[0])
     log.unlink()
     sets = ["--set", "rft_candidates=[{}, {epochs: 2}]", "--set", "eto_candidates=[{}, {lr: 5}]",
-            "--set", "arms=[sft, rft, eto, qevolve]"]
+            "--set", "arms=[sft, rft, eto, qevolve, qevolve_oracle_v]"]
     r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--select-only", *sets, "--quiet",
                     timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert {split for _s, _e, split in split_log(log)} == {"train"}, split_log(log)
     sel = json.loads(r.stdout)["selection"]
-    assert {a: len(sel[a]["candidates"]) for a in ("sft", "rft", "eto", "qevolve")} == dict.fromkeys(
-        ("sft", "rft", "eto", "qevolve"), 2)
+    arms = ("sft", "rft", "eto", "qevolve", "qevolve_oracle_v")
+    assert {a: len(sel[a]["candidates"]) for a in arms} == dict.fromkeys(arms, 2)
     assert json.loads((run / "compare" / "selection.json").read_text()) == sel
     # the full comparison (resumed): the selection is reused, the test splits are read by evaluations only
     r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--resume", *sets, "--json", "--quiet",
@@ -127,7 +127,8 @@ def test_selection_reads_no_test_split(tmp_path):
     t = json.loads(r.stdout)
     rows = {row["arm"]: row for row in t["rows"]}
     # two iterations: iteration 1 is a row too (the run's own evaluation, reused), iteration 2 started from it
-    assert [row["arm"] for row in t["rows"]] == ["sft", "rft", "eto", "qevolve_iter1", "qevolve"]
+    assert [row["arm"] for row in t["rows"]] == ["sft", "rft", "eto", "qevolve_iter1", "qevolve", "qevolve_oracle_v"]
+    assert [b["stage"] for b in rows["qevolve_oracle_v"]["budget"]] == ["BC", "it 1 (V*)"]
     assert rows["qevolve"]["method"] == "Q-Evolve (iter 2)" and rows["qevolve_iter1"]["method"] == "Q-Evolve (iter 1)"
     for split in ("test_seen", "test_unseen"):
         assert rows["qevolve_iter1"]["scores"][f"lamps/{split}"]["avg_reward"] == \
@@ -141,7 +142,7 @@ def test_selection_reads_no_test_split(tmp_path):
     assert eto_b["unit"] == "pairs" and eto_b["dpo_nll_weight"] == 1.0
     md = (run / "compare" / "table.md").read_text()
     assert "trained on (epochs x lr x data)" in md and f"**{sel['eto']['chosen']}** of 2" in md
-    # a run made without selection is refused, naming the remedy
+    # candidate lists of another length than the run's are refused, naming the field
     r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--set", "rft_candidates=[{}]",
                     "--out", tmp_path / "c2", "--quiet", timeout=300, env=env)
     assert r.returncode == 2 and "rft_candidates': 1 candidates but the run chose" in r.stderr

@@ -285,9 +285,22 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             return _scalars(train_policy(o_cfg, cdir / "oracle_v" / "advantages.parquet", bc,
                                          cdir / "oracle_v" / "policy", ref=bc, quiet=quiet))
 
-        crun.run_stage("oracle_v", train_oracle_v, inputs=["oracle_v/advantages.parquet", str(bc)],
-                       outputs=["oracle_v/policy"], config_hash=o_cfg.hash(), iteration=1, echo=echo)
-        policies["qevolve_oracle_v"] = cdir / "oracle_v" / "policy"
+        if ccfg.select_on_validation:  # the candidates of the run's own policy steps
+            from qevolve_cli.evolve.select import select
+
+            def oracle_train(c, out_dir):
+                from qevolve_cli.policy.trainer import train_policy
+
+                return train_policy(c, cdir / "oracle_v" / "advantages.parquet", bc, out_dir, ref=bc, quiet=quiet)
+
+            selections["qevolve_oracle_v"] = select(crun, "oracle_v", o_cfg, ecfg.policy_candidates, oracle_train,
+                                                    v_cfg, val_tasks, iteration=1,
+                                                    inputs=["oracle_v/advantages.parquet", str(bc)], echo=echo)
+            policies["qevolve_oracle_v"] = cdir / selections["qevolve_oracle_v"]["policy"]
+        else:
+            crun.run_stage("oracle_v", train_oracle_v, inputs=["oracle_v/advantages.parquet", str(bc)],
+                           outputs=["oracle_v/policy"], config_hash=o_cfg.hash(), iteration=1, echo=echo)
+            policies["qevolve_oracle_v"] = cdir / "oracle_v" / "policy"
 
     if ccfg.select_on_validation:
         write_json(cdir / "selection.json", selections)
@@ -383,6 +396,9 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             row["budget"] = [budget_of(bc, "BC")] + [budget_of(run / plan.policy(k), f"it {k}")
                                                      for k in range(1, k_last + 1)]
             sel = selections.get("qevolve_iterations")
+        elif arm == "qevolve_oracle_v":  # BC, then iteration 1's policy step on V*
+            row["budget"] = [budget_of(bc, "BC"), budget_of(policies[arm], "it 1 (V*)")]
+            sel = selections.get(arm)
         else:
             row["budget"] = [budget_of(policies[arm], "BC" if arm in ("sft", "best_of_n") else ARM_NAMES[arm])]
             sel = selections.get(arm) if arm != "best_of_n" else None

@@ -64,7 +64,7 @@ def test_evolve_and_compare_configs_check_the_grids():
     from qevolve_cli.evolve.compare import CompareConfig
     from qevolve_cli.evolve.config import resolve
 
-    with pytest.raises(ConfigError, match="policy_candidates.*every arm gets the same number"):
+    with pytest.raises(ConfigError, match=r"policy.candidates: 1 candidates but bc_candidates has 3: every arm gets the same number"):
         resolve("lamps", "smoke", None, {"select_on_validation": True, "policy_candidates": [{}]})
     with pytest.raises(ConfigError, match=r"eto_candidates\[1\].foo"):
         CompareConfig.from_dict({"eto_candidates": [{}, {"foo": 2}]})

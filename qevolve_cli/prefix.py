@@ -4,9 +4,10 @@ Contract (read by the critic and the policy trainers)
 ------------------------------------------------------
 Each trajectory is rendered with the tokenizer's chat template from the one
 transcript builder (:func:`qevolve_cli.transcript.trajectory_messages`, system
-prompt = ``instruction_prompt(env)``, ``system_in_user`` when the template has
-no system role) and tokenised **without** adding special tokens (the template
-already writes BOS etc.), exactly like ``apply_chat_template(..., tokenize=True)``.
+prompt = ``instruction_prompt(env)``, layout = :func:`qevolve_cli.transcript.layout_of`:
+``system_in_user`` when the template has no system role, the environment's in-context
+example for pretrained chat models) and tokenised **without** adding special tokens (the
+template already writes BOS etc.), exactly like ``apply_chat_template(..., tokenize=True)``.
 
 Per step t (columns added by :func:`add_prefix_positions`):
 
@@ -23,7 +24,7 @@ tokenize=False))) - 1`` (see :func:`reference_positions`), which the fast path
 reproduces exactly. Within one sequence, ``pos_next[t] == pos_s[t+1]``.
 
 Truncation (``max_length``): the rollout rule (:func:`qevolve_cli.transcript.truncate`:
-keep the head = system + first user message with the instruction and o_0, drop
+keep the head = system (+ example) + first user message with the instruction and o_0, drop
 the oldest (assistant, user) pairs) applied to the step's whole prefix up to
 o_{t+1}: step t uses the smallest number of dropped pairs ``j_t`` (scanning
 upwards from ``j_{t-1}``) such that ``head + a_j, o_{j+1}, ..., a_t, o_{t+1}``
@@ -67,7 +68,8 @@ import pyarrow as pa
 from qevolve_cli.errors import QevolveError
 from qevolve_cli.tokenizer import load_tokenizer
 from qevolve_cli.transcript import (
-    needs_system_in_user,
+    Layout,
+    layout_of,
     state_end,
     trajectory_messages,
 )
@@ -104,17 +106,16 @@ def _slow_len(tok, messages: list[dict]) -> int:
 class _Skeletons:
     """Per message-count skeleton of the chat template: literal pieces + prefix deltas."""
 
-    def __init__(self, tok, system_in_user: bool):
+    def __init__(self, tok, layout: Layout):
         self.tok = tok
-        self.siu = system_in_user
-        self.first = state_end(0, system_in_user)
+        self.layout = layout
+        self.first = state_end(0, layout)
         self._cache: dict[int, tuple[list[str], list[int]] | None] = {}
         self.verified: set[int] = set()
 
     def roles(self, n: int) -> list[str]:
-        head = ["user"] if self.siu else ["system", "user"]
-        body = ["assistant", "user"] * n
-        return (head + body)[:n]
+        head = [] if self.layout.system_in_user else ["system"]
+        return (head + ["user", "assistant"] * n)[:n]
 
     def get(self, n: int):
         if n not in self._cache:
@@ -205,15 +206,18 @@ def _traj_offsets(df: pl.DataFrame) -> np.ndarray:
     return np.append(starts, len(df)).astype(np.int64)
 
 
-def _messages(env, instruction, obs, act, nxt, siu) -> list[dict]:
-    return trajectory_messages(_system_prompt(env), instruction, obs, act, nxt, siu)
+def _messages(env, instruction, obs, act, nxt, layout: Layout) -> list[dict]:
+    from qevolve_cli.envs.prompts import example_prompt
+
+    example = example_prompt(env) if layout.example else None
+    return trajectory_messages(_system_prompt(env), instruction, obs, act, nxt, layout, example)
 
 
-def _window_messages(msgs: list[dict], head: int, j: int, b: int, siu: bool) -> list[dict]:
+def _window_messages(msgs: list[dict], head: int, j: int, b: int, layout: Layout) -> list[dict]:
     """head + pairs j..b (through next_state_end(b) of the original indexing)."""
     from qevolve_cli.transcript import next_state_end
 
-    return msgs[:head] + msgs[head + 2 * j: next_state_end(b, siu) + 1]
+    return msgs[:head] + msgs[head + 2 * j: next_state_end(b, layout) + 1]
 
 
 def _windows_from(T: int, length_of) -> list[int]:
@@ -228,13 +232,13 @@ def _windows_from(T: int, length_of) -> list[int]:
     return js
 
 
-def _slow_trajectory(tok, msgs: list[dict], T: int, siu: bool, max_length: int | None):
+def _slow_trajectory(tok, msgs: list[dict], T: int, layout: Layout, max_length: int | None):
     """Exact reference for one trajectory: per-prefix render + tokenisation. Returns per-step tuples."""
-    head = state_end(0, siu) + 1
+    head = layout.head
     if max_length is None:
         js = [0] * T
     else:
-        js = _windows_from(T, lambda j, t: _slow_len(tok, _window_messages(msgs, head, j, t, siu)) <= max_length)
+        js = _windows_from(T, lambda j, t: _slow_len(tok, _window_messages(msgs, head, j, t, layout)) <= max_length)
     out = []
     w = -1
     for t in range(T):
@@ -242,10 +246,10 @@ def _slow_trajectory(tok, msgs: list[dict], T: int, siu: bool, max_length: int |
         if t == 0 or j != js[t - 1]:
             w += 1
             b = max(u for u in range(T) if js[u] == j)
-            win = _window_messages(msgs, head, j, b, siu)
+            win = _window_messages(msgs, head, j, b, layout)
             seq_len = _slow_len(tok, win)
         tt = t - j
-        ks = [state_end(tt, siu), state_end(tt, siu) + 1, state_end(tt, siu) + 2]
+        ks = [state_end(tt, layout), state_end(tt, layout) + 1, state_end(tt, layout) + 2]
         p = [_slow_len(tok, win[: k + 1]) - 1 for k in ks]
         out.append((p[0], p[1], p[2], seq_len, w, j, j > 0))
     return out
@@ -257,15 +261,15 @@ def reference_positions(df: pl.DataFrame, tokenizer_dir_or_obj: Any, max_length:
 
     _check_columns(df)
     tok = load_tokenizer(tokenizer_dir_or_obj, require_fast=True)
-    siu = needs_system_in_user(tok)
+    lay = layout_of(tok)
     df = sort_steps(df)
     offs = _traj_offsets(df)
     cols = {c: df[c].to_list() for c in ("env", "instruction", "observation", "action", "next_observation")}
     rows: list[tuple] = []
     for a, b in zip(offs[:-1], offs[1:], strict=False):
         msgs = _messages(cols["env"][a], cols["instruction"][a], cols["observation"][a:b], cols["action"][a:b],
-                         cols["next_observation"][a:b], siu)
-        rows.extend(_slow_trajectory(tok, msgs, int(b - a), siu, max_length))
+                         cols["next_observation"][a:b], lay)
+        rows.extend(_slow_trajectory(tok, msgs, int(b - a), lay, max_length))
     return _attach(df, rows)
 
 
@@ -285,10 +289,10 @@ class _Indexer:
         from qevolve_cli import _core
 
         self.tok = load_tokenizer(tokenizer_dir_or_obj, require_fast=True)
-        self.siu = needs_system_in_user(self.tok)
+        self.layout = layout_of(self.tok)
         self.rust = _core.PrefixIndexer(_tokenizer_json(self.tok))
-        self.skel = _Skeletons(self.tok, self.siu)
-        self.head = state_end(0, self.siu) + 1
+        self.skel = _Skeletons(self.tok, self.layout)
+        self.head = self.layout.head
 
     def index_texts(self, texts: list[str], ends: list[list[int]]):
         flat = [e for es in ends for e in es]
@@ -335,7 +339,7 @@ def add_prefix_positions(
         for i in range(c1 - c0):
             a, b = int(lo[i]), int(lo[i + 1])
             msgs = _messages(cols["env"][a], cols["instruction"][a], cols["observation"][a:b], cols["action"][a:b],
-                             cols["next_observation"][a:b], ix.siu)
+                             cols["next_observation"][a:b], ix.layout)
             msgs_l.append(msgs)
             sp = ix.skel.splice([m["content"] for m in msgs])
             if sp is None:
@@ -355,7 +359,7 @@ def add_prefix_positions(
                 res = _fast_rows(ix, msgs_l[i], P, int(seq_lens[i]), T, max_length)
             if res is None:
                 st["fallback_trajectories"] += 1
-                res = _slow_trajectory(ix.tok, msgs_l[i], T, ix.siu, max_length)
+                res = _slow_trajectory(ix.tok, msgs_l[i], T, ix.layout, max_length)
             rows.extend(res)
     out = _attach(df, rows)
     st["truncated_steps"] = int(out["truncated"].sum()) if len(out) else 0
@@ -386,7 +390,7 @@ def _fast_rows(ix: _Indexer, msgs, P: np.ndarray, seq_len: int, T: int, max_leng
     # ... and verify each window by indexing its own text
     texts, ends = [], []
     for j, _a, b in groups:
-        sp = ix.skel.splice([m["content"] for m in _window_messages(msgs, ix.head, j, b, ix.siu)])
+        sp = ix.skel.splice([m["content"] for m in _window_messages(msgs, ix.head, j, b, ix.layout)])
         if sp is None:
             return None
         texts.append(sp[0])
@@ -425,9 +429,9 @@ def tokenize_trajectories(df: pl.DataFrame, tokenizer_dir_or_obj: Any) -> pl.Dat
         if c not in df.columns:
             raise QevolveError(f"<table>: column '{c}': missing (run add_prefix_positions / label --tokenizer first)")
     tok = load_tokenizer(tokenizer_dir_or_obj, require_fast=True)
-    siu = needs_system_in_user(tok)
-    head = state_end(0, siu) + 1
-    skel = _Skeletons(tok, siu)
+    lay = layout_of(tok)
+    head = lay.head
+    skel = _Skeletons(tok, lay)
     df = sort_steps(df)
     offs = _traj_offsets(df)
     cols = {c: df[c].to_list() for c in ("traj_id", "env", "instruction", "observation", "action",
@@ -436,7 +440,7 @@ def tokenize_trajectories(df: pl.DataFrame, tokenizer_dir_or_obj: Any) -> pl.Dat
     for a, b in zip(offs[:-1], offs[1:], strict=False):
         a, b = int(a), int(b)
         msgs = _messages(cols["env"][a], cols["instruction"][a], cols["observation"][a:b], cols["action"][a:b],
-                         cols["next_observation"][a:b], siu)
+                         cols["next_observation"][a:b], lay)
         t = 0
         T = b - a
         while t < T:
@@ -444,7 +448,7 @@ def tokenize_trajectories(df: pl.DataFrame, tokenizer_dir_or_obj: Any) -> pl.Dat
             last = t
             while last + 1 < T and cols["window"][a + last + 1] == w:
                 last += 1
-            win = _window_messages(msgs, head, j, last, siu)
+            win = _window_messages(msgs, head, j, last, lay)
             sp = skel.splice([m["content"] for m in win])
             texts.append(sp[0] if sp is not None else _render(tok, win))
             keys.append((cols["traj_id"][a], w))

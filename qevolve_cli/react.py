@@ -50,6 +50,23 @@ def format_react(thought: str, command: str) -> str:
     return f"{THOUGHT_MARKER} {thought.strip()}\n{ACTION_MARKER} {command.strip()}"
 
 
+STOP = "\nObservation:"
+"""ReAct's stop sequence: a model output ends before a line that starts writing the environment's answer."""
+
+
+def cut_at_stop(text: str) -> str:
+    """The model's turn: ``text`` up to the first :data:`STOP` (trailing whitespace trimmed).
+
+    A chat model shown the in-context example as text (``qevolve_cli.transcript.Layout``) may go on
+    after its ``Action:`` line with an invented ``Observation:`` and further steps; only the first
+    step is its action (the parser takes the *last* ``Action:``, which would be an invented one).
+    """
+    at = text.find(STOP)
+    if at < 0 and text.startswith(STOP[1:]):
+        at = 0
+    return text if at < 0 else text[:at].rstrip()
+
+
 FORMAT_ERROR_OBSERVATION = (
     "Invalid format: no action was found. Your response must end with a line 'Action: <your next action>'."
 )

@@ -70,6 +70,21 @@ def chat_template(tok: Any, name: str, required: bool = False):
     return tok
 
 
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""The ChatML template of the models qevolve builds from scratch (``qevolve init-model``, models/tiny.py)."""
+
+
+def is_tiny_template(tok: Any) -> bool:
+    """True for a tokenizer whose chat template is :data:`TINY_CHAT_TEMPLATE` (a model trained from scratch on
+    our tables: it is shown no in-context example, ``qevolve_cli.transcript.layout_of``)."""
+    return getattr(tok, "chat_template", None) == TINY_CHAT_TEMPLATE
+
+
 def pad_id_of(tok: Any) -> int:
     """The id batches are padded with: the pad token, else the end-of-sequence token, else 0."""
     pid = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -9,7 +9,7 @@ from tokenizers_fixtures import TEMPLATES, TRICKY, build_tokenizer, synthetic_ta
 
 from qevolve_cli.errors import QevolveError
 from qevolve_cli.prefix import OUT_COLUMNS, add_prefix_positions, reference_positions, tokenize_trajectories
-from qevolve_cli.transcript import needs_system_in_user, state_end, trajectory_messages
+from qevolve_cli.transcript import layout_of, state_end, trajectory_messages
 
 ALL = list(OUT_COLUMNS)
 
@@ -63,18 +63,20 @@ def test_token_ids_consistent_with_positions(name):
     seqs = tokenize_trajectories(idx, tok)
     assert (seqs["input_ids"].list.len() == seqs["seq_len"]).all()
     assert len(seqs) == idx.select(pl.struct("traj_id", "window").n_unique()).item()
-    siu = needs_system_in_user(tok)
-    head = state_end(0, siu) + 1
-    from qevolve_cli.envs.prompts import instruction_prompt
+    lay = layout_of(tok)
+    assert lay.example == (name != "chatml_tiny")  # the in-context example for every template but the tiny's
+    head = lay.head
+    from qevolve_cli.envs.prompts import example_prompt, instruction_prompt
 
     joined = idx.join(seqs, on=["traj_id", "window"])
     for r in joined.head(12).iter_rows(named=True):
         g = idx.filter(pl.col("traj_id") == r["traj_id"]).sort("step")
         msgs = trajectory_messages(instruction_prompt(r["env"]), r["instruction"], g["observation"].to_list(),
-                                   g["action"].to_list(), g["next_observation"].to_list(), siu)
+                                   g["action"].to_list(), g["next_observation"].to_list(), lay,
+                                   example_prompt(r["env"]) if lay.example else None)
         j, tt = r["dropped_turns"], r["step"] - r["dropped_turns"]
         win = msgs[:head] + msgs[head + 2 * j:]
-        prefix = tok.apply_chat_template(win[: state_end(tt, siu) + 2], tokenize=False)  # through a_t
+        prefix = tok.apply_chat_template(win[: state_end(tt, lay) + 2], tokenize=False)  # through a_t
         ids = tok(prefix, add_special_tokens=False)["input_ids"]
         assert list(r["input_ids"][: r["pos_sa"] + 1]) == ids
 
@@ -159,8 +161,18 @@ def test_smollm2_equals_slow_reference(smollm2_dir, env):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert layout_of(tok).example  # the in-context example layout (ETO): head = system, example, "OK", task
     df = synthetic_table(8, 5, seed=5, env=env)
     fast, _ = _assert_same(df, tok)
+    # s_0 ends at o_0, after the example and its reply; a_0 starts right after the generation prompt
+    from qevolve_cli.envs.prompts import example_prompt
+
+    r = fast.filter(pl.col("step") == 0).row(0, named=True)
+    seq = tokenize_trajectories(fast, tok).filter(pl.col("traj_id") == r["traj_id"])["input_ids"][0].to_list()
+    head = tok.decode(seq[: r["pos_s"] + 1])
+    assert example_prompt(env) in head and head.endswith(r["observation"].strip() + "<|im_end|>\n")
+    assert tok.decode(seq[r["pos_s"] + 1: r["pos_sa"] + 1]) == ("<|im_start|>assistant\n" + r["action"].strip()
+                                                                 + "<|im_end|>\n")
     ml = int(fast["pos_s"].min()) + 90
     _, stats = _assert_same(df, tok, max_length=ml)
     assert stats["truncated_steps"] > 0

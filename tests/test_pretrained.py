@@ -22,28 +22,64 @@ def test_converted_directory(smollm2_dir):
 
 
 def test_chat_template_round_trips_through_transcript(smollm2_dir):
-    """The lamps transcript rendered by SmolLM2's own template: system/user/assistant turns, lossless tokens."""
+    """The lamps transcript rendered by SmolLM2's own template: system / user (in-context example) /
+    assistant "OK" / user (task) / assistant turns (ETO's layout), lossless tokens."""
     from transformers import AutoTokenizer
+
+    from qevolve_cli.envs.prompts import example_prompt
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token_id != tok.eos_token_id
-    assert not transcript.needs_system_in_user(tok)
-    system = instruction_prompt("lamps")
+    lay = transcript.layout_of(tok)
+    assert lay == transcript.Layout(system_in_user=False, example=True) and lay.first_state == 3
+    system, example = instruction_prompt("lamps"), example_prompt("lamps")
     msgs = transcript.trajectory_messages(
         system, "turn on the lamps of the kitchen", ["You are in the hall."],
-        ["Thought: the kitchen is east.\nAction: go east"], ["You are in the kitchen. ünïcode  \t"])
+        ["Thought: the kitchen is east.\nAction: go east"], ["You are in the kitchen. ünïcode  \t"], lay, example)
     text = tok.apply_chat_template(msgs, tokenize=False)
-    assert text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nTask: turn on")
+    assert text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{example}<|im_end|>\n"
+                           "<|im_start|>assistant\nOK<|im_end|>\n<|im_start|>user\nTask: turn on")
     assert "You are a helpful AI assistant named SmolLM" not in text  # our system prompt replaces the default
     assert text.count("<|im_start|>assistant\nThought: the kitchen is east.\nAction: go east<|im_end|>") == 1
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
     out = tok.apply_chat_template(msgs, tokenize=True)
     assert list(out["input_ids"] if hasattr(out, "keys") else out) == ids
-    prompt = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
-    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n") and text.startswith(prompt)
+    prompt = tok.apply_chat_template(msgs[: lay.head], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("Observation: You are in the hall.<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith(prompt)
     for special in ("<|im_start|>", "<|im_end|>"):
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_policy_masks_with_the_example_layout(smollm2_dir):
+    """Training targets with SmolLM2: exactly each action + <|im_end|>; the example and its "OK" are never
+    targets, also when truncation drops old turns (the example stays in the head)."""
+    import polars as pl
+    from transformers import AutoTokenizer
+
+    from qevolve_cli.policy.data import build_examples
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    acts = [f"Thought: step {i}, the lamp is {'east' if i % 2 else 'west'}.\nAction: go {'east' if i % 2 else 'west'}"
+            for i in range(6)]
+    acts[2] = "I will not say what I do"  # a format error is a target too
+    rows = [dict(traj_id="t", env="lamps", task_id="lamps:kitchen:office", split="train", source="expert",
+                 iteration=0, step=t, instruction="turn on the lamp in the office",
+                 observation=f"You are in room {t}. " + "The lamp here is off. " * 8, action=a, command=None,
+                 next_observation="ok", reward_env=0.0, done=False) for t, a in enumerate(acts)]
+    df = pl.DataFrame(rows)
+    (full,) = build_examples(df, tok, 100_000)
+    text = tok.decode(full.input_ids)
+    assert "<|im_start|>assistant\nOK<|im_end|>" in text and "Here is an example." in text
+    for ex in (full, *build_examples(df, tok, len(full) - 120)):
+        kept = sorted(set(ex.step[ex.step >= 0].tolist()))
+        assert kept == list(range(6 - len(kept), 6)) and (ex.loss_mask == (ex.step >= 0)).all()
+        for t in kept:
+            assert tok.decode(ex.input_ids[ex.step == t]) == acts[t] + "<|im_end|>"
+        assert "OK" not in tok.decode(ex.input_ids[ex.loss_mask]).replace("<|im_end|>", "")
+        assert "Here is an example." in tok.decode(ex.input_ids[~ex.loss_mask])
+    assert ex.dropped_turns >= 1 and len(ex) <= len(full) - 120
 
 
 def test_model_answers(smollm2_dir, one_thread):

@@ -282,7 +282,7 @@ class _ChatServer:
 
 
 def test_openai_backend_against_local_server(react_model_dir: Path, tmp_path: Path) -> None:
-    from qevolve_cli.envs.prompts import instruction_prompt
+    from qevolve_cli.envs.prompts import example_prompt, instruction_prompt
 
     server = _ChatServer(react_model_dir)
     try:
@@ -295,10 +295,13 @@ def test_openai_backend_against_local_server(react_model_dir: Path, tmp_path: Pa
         first = server.requests[0]
         assert first["model"] == "tiny-served" and first["max_tokens"] == 24
         assert first["messages"][0] == {"role": "system", "content": instruction_prompt("textcraft").strip()}
-        assert first["messages"][1]["content"].startswith("Task: ")
+        # a served model (no local tokenizer) is a pretrained chat model: the in-context example, "OK", the task
+        assert first["messages"][1] == {"role": "user", "content": example_prompt("textcraft")}
+        assert first["messages"][2] == {"role": "assistant", "content": "OK"}
+        assert first["messages"][3]["content"].startswith("Task: ")
         # the transcript sent at step t carries the actions the table records for steps < t
         longest = max(server.requests, key=lambda r: len(r["messages"]))
-        sent_actions = [m["content"] for m in longest["messages"] if m["role"] == "assistant"]
+        sent_actions = [m["content"] for m in longest["messages"][4:] if m["role"] == "assistant"]
         assert sent_actions and all(a in set(df["action"]) for a in sent_actions)
     finally:
         server.close()

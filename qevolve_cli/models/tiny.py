@@ -34,18 +34,14 @@ from pathlib import Path
 
 from qevolve_cli.atomic import atomic_dir
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.tokenizer import TINY_CHAT_TEMPLATE
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHATML_TEMPLATE = TINY_CHAT_TEMPLATE  # the template lives with the rest of chat-template handling
 
 ARCHS = ("llama", "qwen2")
 SIZES = ("tiny", "small", "tiny-tc", "tiny64", "tiny64-tc")

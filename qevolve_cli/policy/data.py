@@ -8,8 +8,9 @@ every token gets:
 
 * ``loss_mask`` - True for tokens of an assistant message's content (the full
   model output: thought + action) and of its end-of-turn token (the template's
-  ``eos_token`` right after the content). System/user prompts, observations and
-  role headers are False;
+  ``eos_token`` right after the content). System/user prompts, observations,
+  role headers and the head's in-context example with its reply ``OK``
+  (:class:`qevolve_cli.transcript.Layout`) are False;
 * ``step`` - the step t whose action the token belongs to (-1 elsewhere), so
   that the step advantage A_t applies to every token of that action;
 * ``is_thought`` - True for content tokens before the last ``Action:`` marker
@@ -65,8 +66,9 @@ def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str) -> list[tuple[int, int, int, int]]:
-    """Character spans of the assistant messages in the rendered ``text``.
+def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str, first: int = 0
+                    ) -> list[tuple[int, int, int, int]]:
+    """Character spans of the assistant messages from index ``first`` on in the rendered ``text``.
 
     Returns ``(message_index, content_start, content_end, turn_end)`` where
     ``turn_end`` also covers the end-of-turn token when the template puts the
@@ -75,7 +77,7 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str) -> lis
     eos = tokenizer.eos_token or ""
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < first:
             continue
         prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
         content = m["content"]
@@ -100,16 +102,20 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str) -> lis
 
 
 def encode_trajectory(tokenizer, system: str, instruction: str, observations: Sequence[str],
-                      actions: Sequence[str], max_length: int, system_in_user: bool = False
+                      actions: Sequence[str], max_length: int, layout: transcript.Layout | bool = False,
+                      example: str | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]:
-    """Tokenise one trajectory -> (ids, loss_mask, step, is_thought, dropped_turns, cut)."""
+    """Tokenise one trajectory -> (ids, loss_mask, step, is_thought, dropped_turns, cut).
+
+    ``example``: the environment's in-context example, needed when ``layout.example``.
+    """
     n = len(actions)
-    msgs = transcript.build_messages(system, instruction, list(observations), list(actions), system_in_user)
-    tr = transcript.truncate(msgs, lambda m: _n_tokens(tokenizer, render(tokenizer, m)) <= max_length,
-                             system_in_user)
+    lay = transcript.as_layout(layout)
+    msgs = transcript.build_messages(system, instruction, list(observations), list(actions), lay, example)
+    tr = transcript.truncate(msgs, lambda m: _n_tokens(tokenizer, render(tokenizer, m)) <= max_length, lay)
     msgs = tr.messages
     text = render(tokenizer, msgs)
-    spans = assistant_spans(tokenizer, msgs, text)
+    spans = assistant_spans(tokenizer, msgs, text, first=lay.head)
     first_step = n - len(spans)  # truncation only drops the oldest turns
     char_step = np.full(len(text) + 1, -1, dtype=np.int32)
     char_thought = np.zeros(len(text) + 1, dtype=bool)
@@ -140,13 +146,13 @@ def encode_trajectory(tokenizer, system: str, instruction: str, observations: Se
 
 
 def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage: bool = False,
-                   path: str | None = None, system_in_user: bool | None = None) -> list[PolicyExample]:
-    """Tokenise every trajectory of a (validated, step-sorted) table."""
-    from qevolve_cli.envs.prompts import instruction_prompt
+                   path: str | None = None, layout: transcript.Layout | None = None) -> list[PolicyExample]:
+    """Tokenise every trajectory of a (validated, step-sorted) table (layout: :func:`transcript.layout_of`)."""
+    from qevolve_cli.envs.prompts import example_prompt, instruction_prompt
     from qevolve_cli.schema import sort_steps
 
-    if system_in_user is None:
-        system_in_user = transcript.needs_system_in_user(tokenizer)
+    if layout is None:
+        layout = transcript.layout_of(tokenizer)
     if getattr(tokenizer, "chat_template", None) is None:
         raise QevolveError("the tokenizer has no chat template (tokenizer_config.json: chat_template)")
     df = sort_steps(df)
@@ -155,6 +161,7 @@ def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage:
         env = g["env"][0]
         try:
             system = instruction_prompt(env)
+            example = example_prompt(env) if layout.example else None
         except KeyError as e:
             raise TableError(path, "env", str(e).strip("'\"")) from None
         adv = g["advantage"].to_numpy().astype(np.float32) if with_advantage else np.zeros(g.height, np.float32)
@@ -164,7 +171,7 @@ def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage:
                              "(run `qevolve label --critic` first)")
         ids, mask, step, thought, dropped, cut = encode_trajectory(
             tokenizer, system, g["instruction"][0], g["observation"].to_list(), g["action"].to_list(),
-            max_length, system_in_user,
+            max_length, layout, example,
         )
         out.append(PolicyExample(str(traj_id), ids, mask, step, thought, adv, g["source"][0], dropped, cut))
     return out

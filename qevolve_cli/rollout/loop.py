@@ -7,7 +7,9 @@ The live episodes (``workers * envs_per_worker``) are split into ``lanes``
    prompt is built by :func:`qevolve_cli.transcript.build_messages` (the one
    transcript builder); when it would exceed the context (``backend.fits``),
    :func:`qevolve_cli.transcript.truncate` keeps the instruction and the most
-   recent turns and the step records ``truncated``;
+   recent turns and the step records ``truncated``; each output is cut at
+   ReAct's stop (:func:`qevolve_cli.react.cut_at_stop`: a model that goes on
+   with an invented ``Observation:`` plays its first step only);
 2. **submit** — one non-blocking pool request per worker: free the slots of
    episodes cut by our step limit, reset new (task, sample) pairs into free
    slots (continuous batching), and step every episode with its action
@@ -53,6 +55,7 @@ import polars as pl
 
 from qevolve_cli import schema, transcript
 from qevolve_cli.errors import QevolveError, TableError
+from qevolve_cli.react import cut_at_stop
 from qevolve_cli.rollout.backends import Backend, Request, make_backend
 from qevolve_cli.rollout.config import RolloutConfig
 from qevolve_cli.rollout.journal import JOURNAL_VERSION, Journal, journal_path
@@ -173,12 +176,13 @@ def play(
     ``cfg.workers`` x ``cfg.envs_per_worker`` is started and closed here.
     """
     from qevolve_cli.envs.pool import EnvPool
-    from qevolve_cli.envs.prompts import instruction_prompt
+    from qevolve_cli.envs.prompts import example_prompt, instruction_prompt
 
     st = stats or RolloutStats()
     t_start = time.perf_counter()
     system = instruction_prompt(cfg.env)
-    siu = transcript.needs_system_in_user(backend.tokenizer) if backend.tokenizer is not None else False
+    layout = transcript.layout_of(backend.tokenizer)
+    head = (system, layout, example_prompt(cfg.env) if layout.example else None)
     if pairs is None:
         pairs = [(t, s) for t in tasks for s in range(cfg.n_per_task)]
     # a task's samples one after another: they start together and the pool sends them to the worker
@@ -226,7 +230,7 @@ def play(
     counters0 = backend.counters()
     with pool if own_pool else contextlib.nullcontext(pool):
         try:
-            _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature, source, chooser,
+            _rounds(cfg, backend, pool, pending, live, finish, head, temperature, source, chooser,
                     on_progress, st, t_start)
         finally:
             if live and not own_pool:  # interrupted: free the slots of a borrowed pool
@@ -261,30 +265,32 @@ class _Lane:
     ticket: Any = None
 
 
-def _rounds(cfg, backend, pool, pending, live, finish, system, siu, temperature, source, chooser, on_progress,
+def _rounds(cfg, backend, pool, pending, live, finish, head, temperature, source, chooser, on_progress,
             st, t_start) -> None:
     """Pipelined play: the live episodes are split into lanes; while the workers step one lane's
     episodes the policy generates the next actions of another (``cfg.lanes``; 1 = no overlap)."""
     from qevolve_cli.envs.pool import Failure
 
+    system, layout, example = head
     lanes = [_Lane(n) for n in lane_sizes(pool.capacity, cfg.lanes)]
 
     def generate(eps: list[_Episode]) -> tuple[list[str], list[bool]]:
         reqs: list[Request] = []
         trunc: list[bool] = []
         for ep in eps:
-            msgs = transcript.build_messages(system, ep.instruction, ep.observations, ep.actions, siu)
-            tr = transcript.truncate(msgs, backend.fits, siu)
+            msgs = transcript.build_messages(system, ep.instruction, ep.observations, ep.actions, layout, example)
+            tr = transcript.truncate(msgs, backend.fits, layout)
             trunc.append(tr.truncated or not backend.fits(tr.messages))
             seed = step_seed(cfg.seed, ep.traj_id, len(ep.actions))
             reqs.append(Request(tr.messages, seed=seed, n=cfg.candidates if chooser else 1, key=ep.traj_id))
         t0 = time.perf_counter()
         if chooser is not None and cfg.candidates > 1:
-            cands = backend.generate(reqs, temperature=cfg.candidate_temperature, top_p=cfg.top_p)
+            cands = [[cut_at_stop(c) for c in cs]
+                     for cs in backend.generate(reqs, temperature=cfg.candidate_temperature, top_p=cfg.top_p)]
             picks = chooser(reqs, cands)
             outs = [c[int(i)] for c, i in zip(cands, picks, strict=True)]
         else:
-            outs = [o[0] for o in backend.generate(reqs, temperature=temperature, top_p=cfg.top_p)]
+            outs = [cut_at_stop(o[0]) for o in backend.generate(reqs, temperature=temperature, top_p=cfg.top_p)]
         st.gen_s += time.perf_counter() - t0
         return outs, trunc
 

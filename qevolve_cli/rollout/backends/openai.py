@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.react import STOP
 from qevolve_cli.rollout.backends.base import Backend, Request, load_tokenizer
 
 
@@ -50,7 +51,7 @@ class OpenAIBackend(Backend):
         import httpx
 
         body: dict[str, Any] = {
-            "model": self.model, "messages": r.messages, "max_tokens": mnt, "n": r.n,
+            "model": self.model, "messages": r.messages, "max_tokens": mnt, "n": r.n, "stop": [STOP],
             "temperature": max(temperature, 0.0), "seed": r.seed & 0x7FFFFFFF,
         }
         if temperature > 0 and top_p < 1.0:

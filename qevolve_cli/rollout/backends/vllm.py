@@ -9,6 +9,7 @@ from typing import Any
 
 from qevolve_cli.errors import QevolveError
 from qevolve_cli.precision import resolve as resolve_precision
+from qevolve_cli.react import STOP
 from qevolve_cli.rollout.backends.base import (
     Backend,
     Request,
@@ -171,7 +172,7 @@ class VLLMBackend(Backend):
             params.append(SamplingParams(
                 n=r.n, temperature=max(temperature, 0.0), top_p=top_p if temperature > 0 else 1.0,
                 max_tokens=mnt, seed=(r.seed & 0x7FFFFFFF) if temperature > 0 else None,
-                stop_token_ids=self.stop_ids, skip_special_tokens=True,
+                stop_token_ids=self.stop_ids, stop=[STOP], skip_special_tokens=True,
             ))
         try:
             outs = self.llm.generate(prompts, sampling_params=params, lora_request=self.lora, use_tqdm=False)

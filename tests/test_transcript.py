@@ -88,3 +88,18 @@ def test_example_prompt_is_in_the_transcript_format(env):
     assert lines[0] == "Here is an example." and lines[1].startswith("Task: ")
     assert text.count("\nAction: ") == len(EXAMPLES[env].steps) == text.count("\nThought: ")
     assert lines[-1].startswith("Observation: ") or "\nObservation: " in text
+
+
+def test_planner_counts_the_example_for_pretrained_models(tiny_model_dir, tmp_path):
+    from qevolve_cli.envs.expert import collect_expert
+    from qevolve_cli.planner import tokens
+
+    assert not tokens.shows_example(tiny_model_dir)
+    assert tokens.shows_example(None, "from:smollm2-135m-instruct") and not tokens.shows_example(None, "llama:tiny")
+    path = tmp_path / "e.parquet"
+    collect_expert("lamps", limit=3).write_parquet(path)
+    count = len  # characters as tokens: the difference is the example's text
+    plain = tokens.measure([path], "lamps", count, "chars")
+    shown = tokens.measure([path], "lamps", count, "chars", example=True)
+    extra = len(example_prompt("lamps")) + len("OK") + 2 * tokens.MESSAGE_OVERHEAD
+    assert shown.prompt - plain.prompt == pytest.approx(extra) and shown.trajectory - plain.trajectory == pytest.approx(extra)

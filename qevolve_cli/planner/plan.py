@@ -217,17 +217,20 @@ def build_inputs(*, env: str, model: Path | None, gpus: int, gpus_per_node: int 
         raise QevolveError("--model: give the model directory (its config.json is enough)")
     shape = ModelShape.from_config(model_dir)
     count, counted_with = tk.counter(model_dir if Path(model_dir).is_dir() else None, chars_per_token)
+    example = tk.shows_example(model_dir, cfg.init_model)
     r1 = cfg.stage("rollout", 1)
     notes = []
     if expert is not None:
-        ex = tk.measure([expert], env, count, counted_with, r1.max_context, cfg.stage("policy", 1).max_length)
+        ex = tk.measure([expert], env, count, counted_with, r1.max_context, cfg.stage("policy", 1).max_length,
+                        example)
     elif env in DEFAULT_STATS:
         ex = TokenStats(**DEFAULT_STATS[env])
     else:
         raise QevolveError(f"--expert: no token counts for {env} built in; give its expert table "
                            f"(qevolve expert --env {env} --limit 200 --out expert.parquet) or --tables")
     if tables:
-        st = tk.measure(tables, env, count, counted_with, r1.max_context, cfg.stage("policy", 1).max_length)
+        st = tk.measure(tables, env, count, counted_with, r1.max_context, cfg.stage("policy", 1).max_length,
+                        example)
     else:
         st = ex
         notes.append("rollout token counts are the expert's (a learning policy takes more steps per task); "

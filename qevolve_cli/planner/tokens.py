@@ -53,14 +53,34 @@ def counter(model_dir: str | Path | None, chars_per_token: float = 4.0) -> tuple
     return (lambda s: int(round(len(s) / chars_per_token))), f"{chars_per_token:g} characters per token"
 
 
+def shows_example(model_dir: str | Path | None, init_model: str | None = None) -> bool:
+    """Whether the model's prompts carry the in-context example (``transcript.layout_of``): from its
+    tokenizer when the directory has one, else from how evolve builds it (``from:NAME`` = pretrained)."""
+    from qevolve_cli import transcript
+
+    if model_dir is not None and (Path(model_dir) / "tokenizer_config.json").is_file():
+        from qevolve_cli.tokenizer import load_tokenizer
+
+        try:
+            return transcript.layout_of(load_tokenizer(str(model_dir))).example
+        except Exception:  # an unreadable tokenizer: the planner estimates without it
+            return False
+    return bool(init_model and str(init_model).startswith("from:"))
+
+
 def measure(tables: Sequence[str | Path], env: str, count: Callable[[str], int], counted_with: str,
-            max_context: int = 0, max_length: int = 0) -> TokenStats:
-    """Token statistics of the trajectories of ``tables`` (any qevolve step tables: expert, rollout)."""
+            max_context: int = 0, max_length: int = 0, example: bool = False) -> TokenStats:
+    """Token statistics of the trajectories of ``tables`` (any qevolve step tables: expert, rollout).
+
+    ``example``: the prompts carry the environment's in-context example and its reply (pretrained chat
+    models, ``qevolve_cli.transcript.layout_of``)."""
     from qevolve_cli import schema
-    from qevolve_cli.envs.prompts import instruction_prompt
+    from qevolve_cli.envs.prompts import example_prompt, instruction_prompt
     from qevolve_cli.errors import QevolveError
 
     system = count(instruction_prompt(env)) + MESSAGE_OVERHEAD
+    if example:
+        system += count(example_prompt(env)) + count("OK") + 2 * MESSAGE_OVERHEAD
     n_traj = 0
     steps = comp = prompt = new = traj = 0.0
     traj_max = 0

@@ -9,6 +9,7 @@ fp32 vs bf16 weights (the inference-only effect: episodes whose actions are all 
 equal up to each episode's first difference).
 
     nice -n 10 python benchmarks/bench_precision.py --seeds 0,1
+    nice -n 10 python benchmarks/bench_precision.py --seeds 0,1 --epochs 4 --tasks 20   # what fits a loaded machine
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--tasks", type=int, default=0, help="eval tasks (0: the preset's eval_max_tasks)")
+    ap.add_argument("--epochs", type=int, default=0, help="BC epochs (0: the preset's 12)")
     args = ap.parse_args()
 
     import transformers
@@ -68,7 +70,10 @@ def main() -> None:
             for prec in ("fp32", "bf16"):
                 pol = td / f"bc{seed}_{prec}"
                 t0 = time.perf_counter()
-                m = train_policy(cfg.stage("bc", 0).replace(precision=prec), expert, base, pol, quiet=True)
+                bc_cfg = cfg.stage("bc", 0).replace(precision=prec)
+                if args.epochs:
+                    bc_cfg = bc_cfg.replace(epochs=args.epochs)
+                m = train_policy(bc_cfg, expert, base, pol, quiet=True)
                 train_s = time.perf_counter() - t0
                 hist = [json.loads(ln) for ln in (pol / "metrics.jsonl").read_text().splitlines()] \
                     if (pol / "metrics.jsonl").exists() else []

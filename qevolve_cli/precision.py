@@ -1,8 +1,10 @@
 """The one place that decides fp32 or bf16 (docs/performance.md "Precision").
 
-``auto`` means bf16 on CUDA, bf16 on a CPU that reports ``avx512_bf16`` or AMX (``amx_bf16``) in
-``/proc/cpuinfo`` (native bf16 matrix instructions: prefill about 2x, training about 1.6x faster than
-fp32 on 2 EPYC cores), fp32 on any other CPU (bf16 there is emulated and slower than fp32).
+``auto`` means bf16 on CUDA; on a CPU that reports ``avx512_bf16`` or AMX (``amx_bf16``) in
+``/proc/cpuinfo`` (native bf16 matrix instructions) bf16 for generation (rollout, eval: greedy actions
+identical to fp32 on SmolLM2, 1.6x faster) and fp32 for training (the policy's autocast, the critic's
+backbone: bf16 with LoRA learned less than fp32 on SmolLM2); fp32 on any other CPU (bf16 there is
+emulated and slower than fp32).
 ``QEVOLVE_PRECISION=fp32|bf16`` in the environment replaces ``auto`` everywhere (the test suite sets
 fp32 so that its figures do not depend on the machine); an explicit ``fp32``/``bf16`` in a config
 always wins.
@@ -71,12 +73,17 @@ def _device_type(device: str) -> str:
     return "cuda" if device.startswith("cuda") else device
 
 
+TRAINING_ON_CPU = ("auto: training on CPU stays fp32 (bf16 autocast with LoRA learned less than fp32 on "
+                   "SmolLM2: docs/performance.md)")
+
+
 def resolve(precision: str = "auto", device: str = "auto", *, flags: frozenset[str] | set[str] | None = None,
-            env: dict[str, str] | None = None) -> Choice:
+            env: dict[str, str] | None = None, training: bool = False) -> Choice:
     """``precision`` (auto | fp32 | bf16, or a dtype name: float32 | bfloat16) on ``device`` -> a :class:`Choice`.
 
     ``flags`` (default: this machine's ``/proc/cpuinfo``) and ``env`` (default: ``os.environ``) are
-    parameters so that the rule is testable on any machine."""
+    parameters so that the rule is testable on any machine. ``training``: the policy's autocast and the
+    critic's backbone, which stay fp32 on CPU under ``auto`` (the measurement: docs/performance.md)."""
     name = PRECISION_OF.get(precision, precision)
     if name not in PRECISIONS:
         raise QevolveError(f"precision: unknown value {precision!r} (choose from auto, fp32, bf16)")
@@ -92,12 +99,14 @@ def resolve(precision: str = "auto", device: str = "auto", *, flags: frozenset[s
     if kind == "cuda":
         return Choice("bf16", "auto: CUDA device")
     flag = cpu_bf16_flag(cpu_flags() if flags is None else flags)
-    if flag is not None:
-        return Choice("bf16", f"auto: the CPU reports {flag}")
-    return Choice("fp32", "auto: the CPU reports neither avx512_bf16 nor amx_bf16 (bf16 would be emulated)")
+    if flag is None:
+        return Choice("fp32", "auto: the CPU reports neither avx512_bf16 nor amx_bf16 (bf16 would be emulated)")
+    if training:
+        return Choice("fp32", TRAINING_ON_CPU)
+    return Choice("bf16", f"auto: the CPU reports {flag}")
 
 
-def resolve_dtype(dtype: str = "auto", device: str = "auto", **kw):
+def resolve_dtype(dtype: str = "auto", device: str = "auto", **kw: object):
     """A ``dtype`` field (auto | float32 | bfloat16 | float16) -> the torch dtype (float16 passes through)."""
     import torch
 

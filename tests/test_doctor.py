@@ -44,7 +44,8 @@ def test_doctor_reports_versions_devices_backends() -> None:
     assert "backend vllm" in table and "transformers" in table
     # which precision auto picks and why (the suite forces fp32 through QEVOLVE_PRECISION, tests/conftest.py)
     assert d["precision"]["cpu"] == {"precision": "fp32", "reason": "QEVOLVE_PRECISION=fp32"}
-    assert "precision (cpu)" in table and "QEVOLVE_PRECISION=fp32" in table
+    assert d["precision"]["cpu_training"]["precision"] == "fp32"
+    assert "precision (cpu, rollout/eval)" in table and "QEVOLVE_PRECISION=fp32" in table
 
 
 @pytest.mark.slow

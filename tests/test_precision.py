@@ -32,6 +32,12 @@ def test_auto_rule():
     fp = P.resolve("auto", "cpu", flags={"avx2", "avx512f"}, env=no_env)
     assert (fp.name, fp.dtype) == ("fp32", "float32") and "neither" in fp.reason
     assert P.resolve("auto", "cuda:1", flags=set(), env=no_env).name == "bf16"
+    # training (policy autocast, critic backbone) stays fp32 on CPU, bf16 on CUDA
+    tr = P.resolve("auto", "cpu", flags={"avx512_bf16"}, env=no_env, training=True)
+    assert tr.name == "fp32" and "training on CPU" in tr.reason
+    assert P.resolve("auto", "cpu", flags=set(), env=no_env, training=True).reason == fp.reason
+    assert P.resolve("auto", "cuda", flags=set(), env=no_env, training=True).name == "bf16"
+    assert P.resolve("bf16", "cpu", flags=set(), env=no_env, training=True).name == "bf16"
 
 
 def test_explicit_and_environment_win():
@@ -60,6 +66,8 @@ def test_stages_follow_the_rule(monkeypatch):
     # DeepSpeed's CPU accelerator keeps fp32 under auto unless forced
     monkeypatch.delenv("QEVOLVE_PRECISION")
     assert resolve_precision("auto", "cpu", deepspeed=True) == "fp32"
+    assert resolve_precision("auto", "cpu") == "fp32"  # training on CPU stays fp32 under auto
+    assert critic_dtype("auto", torch.device("cpu")) == torch.float32
     monkeypatch.setenv("QEVOLVE_PRECISION", "fp32")
     assert resolve_precision("auto", "cpu") == "fp32"
     assert resolve_precision("bf16", "cpu") == "bf16"
@@ -93,6 +101,7 @@ def test_doctor_report_follows_the_cpu_flags(monkeypatch):
     assert r["cpu_bf16_flag"] == flag and "cuda" not in r
     assert r["cpu"]["precision"] == ("bf16" if flag else "fp32")
     assert (flag or "neither") in r["cpu"]["reason"]
+    assert r["cpu_training"]["precision"] == "fp32"
     assert precision_report(cuda=True)["cuda"]["precision"] == "bf16"
 
 

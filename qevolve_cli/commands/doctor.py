@@ -90,14 +90,16 @@ def precision_report(cuda: bool) -> dict[str, Any]:
     from qevolve_cli import precision as P
 
     flag = P.cpu_bf16_flag(P.cpu_flags())
-    cpu = P.resolve("auto", "cpu")
-    out: dict[str, Any] = {"cpu_bf16_flag": flag, "cpu": {"precision": cpu.name, "reason": cpu.reason}}
+    cpu, cpu_train = P.resolve("auto", "cpu"), P.resolve("auto", "cpu", training=True)
+    out: dict[str, Any] = {"cpu_bf16_flag": flag, "cpu": {"precision": cpu.name, "reason": cpu.reason},
+                           "cpu_training": {"precision": cpu_train.name, "reason": cpu_train.reason}}
     if cuda:
         g = P.resolve("auto", "cuda")
         out["cuda"] = {"precision": g.name, "reason": g.reason}
     out["meaning"] = ("bf16: bf16 weights for rollout/eval and the critic's frozen backbone, bf16 autocast over "
                       "fp32 master weights for policy training; force fp32 with QEVOLVE_PRECISION=fp32, "
-                      "`--set precision=fp32` (policy, evolve) or `--set dtype=float32` (rollout, eval, critic)")
+                      "--precision fp32 (rollout, eval, evolve), `--set precision=fp32` (policy) or "
+                      "`--set dtype=float32` (critic)")
     return out
 
 
@@ -354,9 +356,9 @@ def _print_env(info: dict[str, Any]) -> None:
                          f"({info['memory_gib']['available']} available)")
     pr = info.get("precision")
     if pr:
-        for where in ("cuda", "cpu"):
+        for where, label in (("cuda", "cuda"), ("cpu", "cpu, rollout/eval"), ("cpu_training", "cpu, training")):
             if where in pr:
-                t.add_row(f"precision ({where})", f"{pr[where]['precision']} ({pr[where]['reason']})")
+                t.add_row(f"precision ({label})", f"{pr[where]['precision']} ({pr[where]['reason']})")
         t.add_row("", pr["meaning"])
     for b, s in info["backends"].items():
         t.add_row(f"backend {b}", s if s != "ok" else "[green]ok[/green]")

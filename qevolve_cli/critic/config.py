@@ -65,7 +65,7 @@ class CriticConfig(ConfigBase):
     max_length: int | None = field(None, help="Longest tokenised trajectory (null: the tokenizer's maximum); longer steps are skipped.", gt=0)
     # hardware
     device: str = field("auto", help="auto (cuda if available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
-    dtype: str = field("auto", help="Frozen backbone dtype: auto (bfloat16 on GPU and on CPUs with avx512_bf16/AMX, else float32; docs/performance.md), float32, bfloat16.",
+    dtype: str = field("auto", help="Frozen backbone dtype: auto (bfloat16 on GPU, float32 on CPU; docs/performance.md), float32, bfloat16.",
                        choices=("auto", "float32", "bfloat16"))
     batch_layout: str = field("auto", help="padded: one forward over the right-padded batch; per_sequence: one "
                               "forward per trajectory (no padding computed, no attention mask: the fused causal "

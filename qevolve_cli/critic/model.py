@@ -55,9 +55,9 @@ def pool_last_token(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tens
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The frozen backbone's dtype: auto = bf16 on CUDA and on CPUs with native bf16 (qevolve_cli/precision.py);
-    the adapters and heads stay fp32 either way."""
-    return precision_rule.resolve_dtype(name, device.type)
+    """The frozen backbone's dtype: auto = bf16 on CUDA, fp32 on CPU (the training rule of
+    qevolve_cli/precision.py); the adapters and heads stay fp32 either way."""
+    return precision_rule.resolve_dtype(name, device.type, training=True)
 
 
 def _load_base(model_dir: str | Path, dtype: torch.dtype, device: torch.device):

@@ -85,7 +85,7 @@ class PolicyConfig(ConfigBase):
     drop_failed: bool = field(True, help="Drop trajectories whose 'error' column is set (crashed episodes).")
     # runtime
     device: str = field("auto", help="cpu, cuda or auto.", choices=("auto", "cpu", "cuda"))
-    precision: str = field("auto", help="auto (bf16 autocast over fp32 weights on GPU and on CPUs with avx512_bf16/AMX, else fp32; docs/performance.md), fp32 or bf16.",
+    precision: str = field("auto", help="auto (bf16 autocast over fp32 weights on GPU, fp32 on CPU; docs/performance.md), fp32 or bf16.",
                            choices=("auto", "fp32", "bf16"))
     save_dtype: str = field("auto", help="dtype of saved full weights: auto (the initial model's), float32, "
                                          "bfloat16.", choices=("auto", "float32", "bfloat16"))

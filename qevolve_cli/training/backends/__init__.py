@@ -31,7 +31,7 @@ def resolve_precision(precision: str, device: str, deepspeed: bool = False) -> s
     engine would keep the model in 16 bits, and the CPU runs are launch tests, not speed runs."""
     if precision == "auto" and deepspeed and not device.startswith("cuda") and not os.environ.get(precision_rule.ENV_VAR):
         return "fp32"
-    return precision_rule.resolve(precision, device).name
+    return precision_rule.resolve(precision, device, training=True).name
 
 
 def is_main_process() -> bool:

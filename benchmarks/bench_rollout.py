@@ -39,6 +39,16 @@ actions is reported), and success. Target (issue 31): best arm >= 4x the fp32 re
 With ``--backend vllm`` the model is ``init-model --size tiny64`` (head size 64, which vLLM's kernels
 take; same width and FLOPs as ``tiny``), and every mode uses one vLLM engine (float32; on CPU eager and
 in-process, see docs/rollout.md). ``--modes`` picks a subset of the modes.
+
+``--backend vllm --prefix-caching on,off`` (issue 31) measures vLLM's automatic prefix caching instead: greedy
+``qevolve eval`` of the react-tuned tiny64 model on the first ``--tasks`` (8) lamps ``test_seen`` tasks, one
+engine per arm (``enable_prefix_caching`` on / off), same tasks and model in the same run, after an untimed warm-up eval. It reports env
+steps/s, prompt tokens per step, the prefix-cache hit rate (prompt tokens vLLM found cached, from
+``RequestOutput.num_cached_tokens``, over prompt tokens) and whether the greedy actions are equal.
+
+    ~/.cache/qevolve/vllm-venv/bin/python benchmarks/bench_rollout.py --backend vllm --prefix-caching on,off
+    # repeated arms (key on_2, off_2, ...); the speed-ups compare the means of each setting
+    ... --backend vllm --prefix-caching off,on,off,on
 """
 from __future__ import annotations
 
@@ -158,6 +168,85 @@ def smollm2(args) -> None:
     print(json.dumps(result))
 
 
+def vllm_prefix(args) -> None:
+    """Greedy lamps eval with vLLM, automatic prefix caching on vs off, same run (see the module doc)."""
+    from qevolve_cli.rollout.backends import VLLMBackend, vllm_cpu_defaults, vllm_quiet_logging
+    from qevolve_cli.rollout.backends.vllm import prefix_cache_hit_rate
+
+    vllm_cpu_defaults()
+    vllm_quiet_logging()
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    from qevolve_cli.envs.pool import EnvPool
+    from qevolve_cli.models.tiny import create_tiny_model
+    from qevolve_cli.rollout.config import RolloutConfig
+    from qevolve_cli.rollout.evaluate import run_eval
+    from qevolve_cli.rollout.warm import react_tune
+
+    arms = [a for a in args.prefix_caching.split(",") if a]
+    bad = sorted(set(arms) - {"on", "off"})
+    if bad:
+        raise SystemExit(f"--prefix-caching: unknown arm {bad[0]!r} (choose from on, off)")
+    n_tasks = args.tasks or 8
+    size = args.size or "tiny64"
+    result: dict = {"benchmark": "rollout_vllm_prefix_caching", "cpu_count": os.cpu_count(), "env": "lamps",
+                    "split": "test_seen", "tasks": n_tasks, "model": f"{size} llama (react-tuned)", "greedy": True,
+                    "loadavg_start": os.getloadavg(), "arms": {}}
+    actions: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-vllm-pc-") as td:
+        td = Path(td)
+        create_tiny_model(td / "tiny", size=size)
+        react_tune(td / "tiny", td / "react", ["lamps"])
+        # the process's first engine and eval pay one-off costs (imports, first kernels: measured 7.4 steps/s
+        # for the first arm vs 19.3 for the same arm repeated), so an untimed warm-up eval (2 tasks, own
+        # engine, prefix caching off) comes first
+        t0 = time.perf_counter()
+        wcfg = RolloutConfig(env="lamps", split="test_seen", max_tasks=2, device="cpu", eval_temperature=0.0)
+        with VLLMBackend(td / "react", max_context=wcfg.max_context, max_new_tokens=wcfg.max_new_tokens,
+                         prefix_caching=False) as backend:
+            run_eval(wcfg, td / "react", td / "warmup.parquet", backend=backend)
+        result["warmup_s"] = round(time.perf_counter() - t0, 1)
+        for i, pc in enumerate(arms):  # an arm may repeat (on,off,on,off: order and warm-up effects show)
+            arm = pc if pc not in arms[:i] else f"{pc}_{arms[:i].count(pc) + 1}"
+            cfg = RolloutConfig(env="lamps", split="test_seen", max_tasks=n_tasks, device="cpu", eval_temperature=0.0)
+            t0 = time.perf_counter()  # engine start and worker start-up: not timed
+            backend = VLLMBackend(td / "react", max_context=cfg.max_context, max_new_tokens=cfg.max_new_tokens,
+                                  prefix_caching=pc == "on")
+            load_s = time.perf_counter() - t0
+            with EnvPool("lamps", workers=cfg.workers, envs_per_worker=cfg.envs_per_worker) as pool:
+                t0, c0 = time.perf_counter(), time.process_time()
+                m = run_eval(cfg, td / "react", td / f"{arm}.parquet", backend=backend, pool=pool)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            backend.close()
+            import polars as pl
+
+            actions[arm] = pl.read_parquet(td / f"{arm}.parquet").sort(["traj_id", "step"])["action"].to_list()
+            st, be = m["stats"], m["stats"].get("backend", {})
+            steps = max(1, st["steps"])
+            result["arms"][arm] = {
+                "enable_prefix_caching": pc == "on", "env_steps": st["steps"], "wall_s": round(wall, 2),
+                "engine_start_s": round(load_s, 1), "steps_per_s": round(st["steps"] / wall, 3),
+                "cpu_s_per_step": round(cpu / steps, 4),
+                "prompt_tokens_per_step": round(be.get("prompt_tokens", 0) / steps, 1),
+                "computed_prompt_tokens_per_step": st.get("prefill_tokens_per_step"),
+                "generated_tokens_per_step": st.get("generated_tokens_per_step"),
+                "prefix_cache_hit_rate": prefix_cache_hit_rate(be), "counters": be,
+                "success_rate": m["success_rate"],
+            }
+            print(f"{arm}: {json.dumps(result['arms'][arm])}", file=sys.stderr, flush=True)
+    if {"on", "off"} <= set(arms):  # over repeats: the mean steps/s and CPU seconds per step of each setting
+        def mean(pc: str, k: str) -> float:
+            xs = [r[k] for r in result["arms"].values() if r["enable_prefix_caching"] == (pc == "on")]
+            return sum(xs) / len(xs)
+
+        result["speedup_on_vs_off"] = round(mean("on", "steps_per_s") / mean("off", "steps_per_s"), 2)
+        result["cpu_speedup_on_vs_off"] = round(mean("off", "cpu_s_per_step") / mean("on", "cpu_s_per_step"), 2)
+        result["same_actions"] = all(a == actions["on"] for a in actions.values())
+    result["loadavg_end"] = os.getloadavg()
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
@@ -175,7 +264,14 @@ def main() -> None:
     ap.add_argument("--size", default=None, help="init-model size (default: tiny64 with vllm, tiny with hf)")
     ap.add_argument("--modes", default="sequential,batched_2w,batched_2w_no_overlap,batched_4w",
                     help="comma list of modes (sequential is the baseline and always runs)")
+    ap.add_argument("--prefix-caching", default=None,
+                    help="with --backend vllm: comma list of arms on,off (vLLM's prefix caching, lamps eval)")
     args = ap.parse_args()
+    if args.prefix_caching:
+        if args.backend != "vllm":
+            raise SystemExit("--prefix-caching: needs --backend vllm")
+        vllm_prefix(args)
+        return
     if args.model == "smollm2":
         smollm2(args)
         return

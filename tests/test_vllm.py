@@ -111,6 +111,11 @@ def test_eval_vllm_equals_hf(vmodel, ctx_config, tmp_path, env) -> None:
     for k in ("success_rate", "avg_reward", "episodes"):
         if k in res["hf"][1]:
             assert res["hf"][1][k] == res["vllm"][1][k], k
+    # vLLM's prefix caching (on by default): later steps extend an episode's earlier prompt, so some prompt
+    # tokens come from the cache, and the counters add up (prompt = cached + computed)
+    be = res["vllm"][1]["stats"]["backend"]
+    assert be["prompt_tokens"] > 0 and be["prefix_cache_hit_tokens"] > 0, be
+    assert be["prompt_tokens"] == be["prefix_cache_hit_tokens"] + be["prefill_tokens"], be
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +260,24 @@ def test_evolve_smoke_with_vllm_backend(tmp_path) -> None:
 
 
 # --------------------------------------------------------------------------- bad input
+
+
+def test_prefix_caching_switch_and_hit_rate(monkeypatch) -> None:
+    """QEVOLVE_VLLM_PREFIX_CACHING: on by default, 0/off turns it off, anything else is a one-line error;
+    the hit rate is cached over prompt tokens (no vLLM needed: the module imports it lazily)."""
+    from qevolve_cli.errors import QevolveError
+    from qevolve_cli.rollout.backends.vllm import prefix_cache_hit_rate, prefix_caching_from_env
+
+    monkeypatch.delenv("QEVOLVE_VLLM_PREFIX_CACHING", raising=False)
+    assert prefix_caching_from_env() is True
+    for v, want in (("0", False), ("off", False), ("1", True), ("ON", True)):
+        monkeypatch.setenv("QEVOLVE_VLLM_PREFIX_CACHING", v)
+        assert prefix_caching_from_env() is want, v
+    monkeypatch.setenv("QEVOLVE_VLLM_PREFIX_CACHING", "maybe")
+    with pytest.raises(QevolveError, match="QEVOLVE_VLLM_PREFIX_CACHING='maybe'"):
+        prefix_caching_from_env()
+    assert prefix_cache_hit_rate({}) is None
+    assert prefix_cache_hit_rate({"prompt_tokens": 74900, "prefix_cache_hit_tokens": 62208}) == 0.8305
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed in this Python (the main venv has none)")

@@ -92,6 +92,27 @@ def _check_cpu_head_size(policy: str | Path) -> None:
                            f"kernels take {', '.join(map(str, sizes))}; e.g. `qevolve init-model --size tiny64`)")
 
 
+VLLM_COUNTERS = ("prompts", "prompt_tokens", "prefix_cache_hit_tokens", "prefill_tokens", "generated_tokens")
+
+
+def prefix_caching_from_env() -> bool:
+    """vLLM's automatic prefix caching is on unless QEVOLVE_VLLM_PREFIX_CACHING is 0/false/off/no."""
+    import os
+
+    v = os.environ.get("QEVOLVE_VLLM_PREFIX_CACHING", "1").strip().lower()
+    if v in ("", "1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise QevolveError(f"QEVOLVE_VLLM_PREFIX_CACHING={v!r}: expected 1 or 0 (docs/performance.md)")
+
+
+def prefix_cache_hit_rate(counts: dict[str, int]) -> float | None:
+    """Share of prompt tokens found in vLLM's prefix cache (None before any prompt)."""
+    n = counts.get("prompt_tokens", 0)
+    return round(counts.get("prefix_cache_hit_tokens", 0) / n, 4) if n else None
+
+
 VLLM_MISSING = ("--backend vllm: vLLM is not installed in this Python ({exe}); on a GPU node `pip install vllm`, "
                 "on CPU `make vllm-venv` builds ~/.cache/qevolve/vllm-venv (docs/rollout.md, 'vLLM')")
 
@@ -103,7 +124,7 @@ class VLLMBackend(Backend):
 
     def __init__(self, policy: str | Path, adapter: str | Path | None = None, max_context: int = 0,
                  max_new_tokens: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.85,
-                 dtype: str = "auto"):
+                 dtype: str = "auto", prefix_caching: bool | None = None):
         import importlib.util
         import sys
 
@@ -126,9 +147,13 @@ class VLLMBackend(Backend):
             dtype = "auto" if on_gpu else resolve_precision("auto", "cpu").dtype
         # automatic prefix caching: an episode's next prompt extends its previous one, so its KV blocks are
         # found again instead of recomputed (the engine arg of vLLM >= 0.4; vLLM turns it off itself where a
-        # platform or model does not support it). Not measured here: see docs/performance.md.
+        # platform or model does not support it). On by default; QEVOLVE_VLLM_PREFIX_CACHING=0 (or
+        # prefix_caching=False) turns it off, for measurements (docs/performance.md).
+        if prefix_caching is None:
+            prefix_caching = prefix_caching_from_env()
+        self.prefix_caching = bool(prefix_caching)
         kwargs: dict[str, Any] = dict(model=str(policy), seed=seed, trust_remote_code=False, dtype=dtype,
-                                      enable_prefix_caching=True)
+                                      enable_prefix_caching=self.prefix_caching)
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:  # CPU: no torch.compile warm-up (35 s per engine start measured; 5 s eager)
@@ -156,6 +181,12 @@ class VLLMBackend(Backend):
         self.max_context = int(mml) if mml else _model_max_context(AutoConfig.from_pretrained(str(policy)), self.tokenizer, max_context)
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer)
+        # running totals (``counters``): prompt tokens sent, those found in vLLM's prefix cache
+        # (``RequestOutput.num_cached_tokens``) and the rest, which the engine computed
+        self._counts = dict.fromkeys(VLLM_COUNTERS, 0)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counts)
 
     def generate(self, requests: Sequence[Request], temperature: float, top_p: float = 1.0,
                  max_new_tokens: int | None = None) -> list[list[str]]:
@@ -179,6 +210,15 @@ class VLLMBackend(Backend):
         except Exception as e:  # an engine failure is one line (the rollout journal keeps finished episodes)
             raise QevolveError(f"--backend vllm: generation failed ({_first_line(e)})") from None
         res = []
+        c = self._counts
+        for o in outs:
+            n_prompt = len(o.prompt_token_ids or ())
+            cached = min(int(getattr(o, "num_cached_tokens", 0) or 0), n_prompt)
+            c["prompts"] += 1
+            c["prompt_tokens"] += n_prompt
+            c["prefix_cache_hit_tokens"] += cached
+            c["prefill_tokens"] += n_prompt - cached
+            c["generated_tokens"] += sum(len(x.token_ids) for x in o.outputs)
         for o in outs:  # cut at the first stop token like the hf backend, then decode without specials
             texts = []
             for c in o.outputs:

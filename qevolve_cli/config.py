@@ -14,7 +14,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from qevolve_cli.errors import ConfigError
 
@@ -145,8 +145,16 @@ class ConfigBase:
         d.update({k: v for k, v in changes.items() if v is not None})
         return type(self).from_dict(d, source="override")
 
+    #: (flag, field, ...): while the boolean field ``flag`` is false, these fields (the flag included) are
+    #: left out of :meth:`hash`, so runs started before an opt-in option existed still resume
+    SELECT_FIELDS: ClassVar[tuple[str, ...]] = ()
+
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+        d = self.to_dict()
+        if self.SELECT_FIELDS and not getattr(self, self.SELECT_FIELDS[0]):
+            for k in self.SELECT_FIELDS:
+                d.pop(k, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @classmethod
     def help_table(cls) -> list[tuple[str, str, str]]:

@@ -82,17 +82,6 @@ class CompareConfig(ConfigBase):
 
     SELECT_FIELDS = ("select_on_validation", "rft_candidates", "eto_candidates")
 
-    def hash(self) -> str:
-        """Without selection the selection fields are left out (comparisons started before they existed resume)."""
-        import hashlib
-        import json
-
-        d = self.to_dict()
-        if not self.select_on_validation:
-            for k in self.SELECT_FIELDS:
-                d.pop(k, None)
-        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
     def validate(self, source: Any = None, prefix: str = "") -> None:
         for a in self.arms:
             if a not in ARMS:

@@ -78,17 +78,6 @@ class EvolveConfig(ConfigBase):
 
     SELECT_FIELDS = ("select_on_validation", "validation_tasks", "bc_candidates", "policy_candidates")
 
-    def hash(self) -> str:
-        """Without selection the selection fields are left out, so runs made before they existed still resume."""
-        import hashlib
-        import json
-
-        d = self.to_dict()
-        if not self.select_on_validation:
-            for k in self.SELECT_FIELDS:
-                d.pop(k, None)
-        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
     def validate(self, source: Any = None, prefix: str = "") -> None:
         for s in self.eval_splits:
             if s not in ("train", "test_seen", "test_unseen", "test"):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
 BASE_ARMS = ("sft", "rft_bc", "rft_full", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
              "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "shuffled", "a_one",
              "oracle_gae_informative")
@@ -222,12 +222,6 @@ def run_arms(run: Path, arms: list[str], splits: list[str], report_only: bool = 
     return out
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else 0.0
-    return m, se
-
-
 def paired_bootstrap(diffs: list[float], n_boot: int = 10000, seed: int = 0) -> tuple[float, float]:
     """95 % percentile interval of the mean of per-seed paired differences (resampling seeds)."""
     import random
@@ -239,6 +233,8 @@ def paired_bootstrap(diffs: list[float], n_boot: int = 10000, seed: int = 0) -> 
 
 
 def summarise(per_run: dict, arms: list[str], refs: tuple[str, ...] = ("rft_bc", "rft_full", "sft")) -> dict:
+    from qevolve_cli.evolve.compare_table import mean_se
+
     summary = {}
     for arm in arms:
         xs = [per_run[r][arm]["mean"] for r in per_run if arm in per_run[r]]

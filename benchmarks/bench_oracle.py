@@ -15,10 +15,17 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   learned         the run's learned critic + GAE                                 (norm)
   learned_raw     the run's learned critic + GAE, as labelled                    (raw)
   shuffled        the learned advantages permuted over the steps (control)       (norm)
+  learned_pos     the learned advantages standardised, then the negative ones set to 0 (BPPO only
+                  raises what the critic rates above average; nothing is pushed down)
+  awr_full        AWR (weights exp(A), the learned advantages standardised) from the base model with
+                  the BC budget: rft_full's start and budget, every row weighted by the critic instead
+                  of keeping the successes only
   a_one           A = 1 on every row: BC on everything (control)                 (raw)
   tab_gae_m05     tab_gae with expectile 0.5 (V = mean of Q: the behaviour policy's value) (norm)
   tab_gae_m09     tab_gae with expectile 0.9                                    (norm)
   learned_m05     the run's critic retrained with expectile 0.5 + GAE           (norm)
+  learned_pbb     the run's critic retrained on the BC policy as its frozen backbone (evolve's
+                  critic_backbone: policy) instead of the base model + GAE           (norm)
   oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
                   states: nothing the policy does there matters) get A = 0 after standardising (norm)
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
@@ -43,9 +50,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
 BASE_ARMS = ("sft", "rft_bc", "rft_full", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
-             "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "shuffled", "a_one",
+             "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "shuffled", "a_one",
+             "awr_full",
              "oracle_gae_informative")
-BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full")]
+BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "awr_full")]
 ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
 LABEL = {  # arm -> label config overrides over the run's label stage (value source, advantage, fit reward)
     "oracle_gae": {"value_source": "oracle", "advantage": "gae"},
@@ -58,7 +66,11 @@ LABEL = {  # arm -> label config overrides over the run's label stage (value sou
     "tab_gae_m09": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux", "expectile": 0.9},
     "oracle_gae_informative": {"value_source": "oracle", "advantage": "gae"},
 }
-RAW = {"oracle_gae_raw", "learned_raw", "a_one"}
+RAW = {"oracle_gae_raw", "learned_raw", "a_one", "learned_pos"}  # learned_pos: standardised before clamping
+RETRAINED_CRITIC = {  # arm -> (critic config overrides, backbone inside the run) of a critic trained anew
+    "learned_m05": ({"expectile": 0.5}, "base_model"),
+    "learned_pbb": ({}, "bc/policy"),
+}
 
 
 def split_arm(arm: str) -> tuple[str, dict]:
@@ -112,11 +124,12 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
             d.write_parquet(tmp)
         tmp.rename(out)
         return out
-    if arm == "learned_m05":
+    if arm in RETRAINED_CRITIC:
         crit = work / "critic"
         if not (crit / "critic_config.json").exists() and not (crit / "done").exists():
-            c_cfg = write_yaml(work / "critic.yaml", run / "stages" / "critic_1.yaml", {"expectile": 0.5})
-            qevolve("critic", "--data", run / "iter_1" / "labeled.parquet", "--model", run / "base_model",
+            overrides, backbone = RETRAINED_CRITIC[arm]
+            c_cfg = write_yaml(work / "critic.yaml", run / "stages" / "critic_1.yaml", overrides)
+            qevolve("critic", "--data", run / "iter_1" / "labeled.parquet", "--model", run / backbone,
                     "--config", c_cfg, "--out", crit)
             (crit / "done").write_text("")
         tmp = work / "labels.tmp.parquet"
@@ -125,8 +138,12 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
         tmp.rename(out)
         return out
     learned = pl.read_parquet(run / "iter_1" / "advantages.parquet")
-    if arm in ("learned", "learned_raw"):
+    if arm in ("learned", "learned_raw", "awr_full"):
         learned.write_parquet(out)
+    elif arm == "learned_pos":
+        a = pl.col("advantage")
+        learned.with_columns(((a - a.mean()) / (a.std() + 1e-8)).clip(lower_bound=0.0).cast(pl.Float32)
+                             .alias("advantage")).write_parquet(out)
     elif arm == "shuffled":
         learned.with_columns(pl.col("advantage").shuffle(seed=0)).write_parquet(out)
     elif arm == "a_one":
@@ -149,6 +166,11 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
     if arm == "rft_bc":
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "bc" / "policy", "--config", run / "stages" / "policy_1.yaml", "--out", policy)
+    elif arm == "awr_full":
+        data = advantage_table(run, arm, work)
+        cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"normalize_advantage": True})
+        qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "base_model", "--config", cfg,
+                "--out", policy)
     elif arm == "rft_full":
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "base_model", "--config", run / "stages" / "bc.yaml", "--out", policy)
@@ -222,18 +244,28 @@ def run_arms(run: Path, arms: list[str], splits: list[str], report_only: bool = 
     return out
 
 
-def paired_bootstrap(diffs: list[float], n_boot: int = 10000, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile interval of the mean of per-seed paired differences (resampling seeds)."""
-    import random
+def task_diffs(work_a: Path, work_b: Path, splits: list[str]) -> list[float]:
+    """Per held-out task, arm A minus arm B (final reward), weighted so that their mean is the mean over the
+    splits of each split's mean difference (the `mean` column: every split counts equally)."""
+    from qevolve_cli.evolve.compare_table import per_task_rewards
 
-    rng = random.Random(seed)
-    n = len(diffs)
-    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_boot))
-    return means[int(0.025 * n_boot)], means[int(0.975 * n_boot) - 1]
+    out: list[float] = []
+    for split in splits:
+        a = per_task_rewards(work_a / f"eval_{split}.parquet")
+        b = per_task_rewards(work_b / f"eval_{split}.parquet")
+        if set(a) != set(b):
+            raise SystemExit(f"bench_oracle: {work_a} and {work_b} were evaluated on different {split} tasks")
+        out += [(a[t] - b[t]) / (len(splits) * len(a)) for t in sorted(a)]
+    n = len(out)
+    return [d * n for d in out]
 
 
-def summarise(per_run: dict, arms: list[str], refs: tuple[str, ...] = ("rft_bc", "rft_full", "sft")) -> dict:
-    from qevolve_cli.evolve.compare_table import mean_se
+def summarise(per_run: dict, arms: list[str], runs: dict[str, Path], splits: list[str],
+              refs: tuple[str, ...] = ("rft_bc", "rft_full", "sft"), n_boot: int = 10000) -> dict:
+    """Per arm: mean and standard error over the runs of the mean of the splits' success, and the paired
+    difference to each reference arm with its two-level bootstrap 95 % interval (runs, then each drawn run's
+    tasks, resampled with replacement: compare_table.paired_bootstrap, as bench_compare.py)."""
+    from qevolve_cli.evolve.compare_table import mean_se, paired_bootstrap
 
     summary = {}
     for arm in arms:
@@ -246,26 +278,30 @@ def summarise(per_run: dict, arms: list[str], refs: tuple[str, ...] = ("rft_bc",
         for ref in refs:
             if ref == arm:
                 continue
-            d = [per_run[r][arm]["mean"] - per_run[r][ref]["mean"] for r in per_run
-                 if arm in per_run[r] and ref in per_run[r]]
-            if len(d) >= 2:
-                lo, hi = paired_bootstrap(d)
-                row[f"minus_{ref}"] = {"mean": round(100 * sum(d) / len(d), 1), "ci95": [round(100 * lo, 1),
-                                                                                      round(100 * hi, 1)],
-                                       "n": len(d)}
+            both = [r for r in per_run if arm in per_run[r] and ref in per_run[r]]
+            if len(both) >= 2:
+                diffs = [task_diffs(runs[r] / "oracle" / arm, runs[r] / "oracle" / ref, splits) for r in both]
+                ci = paired_bootstrap(diffs, n_boot=n_boot)
+                row[f"minus_{ref}"] = {"mean": round(100 * ci["mean"], 1),
+                                       "ci95": [round(100 * ci["lo"], 1), round(100 * ci["hi"], 1)],
+                                       "n": len(both), "wins": sum(per_run[r][arm]["mean"] > per_run[r][ref]["mean"]
+                                                                   for r in both)}
         summary[arm] = row
     return summary
 
 
-def markdown(summary: dict, runs: list[str]) -> str:
-    head = "| arm | " + " | ".join(runs) + " | mean ± se | − rft_bc (95 % CI) | − rft_full (95 % CI) |"
-    lines = [head, "|" + "---|" * (len(runs) + 4)]
+def markdown(summary: dict, runs: list[str], refs: tuple[str, ...] = ("rft_bc", "rft_full", "sft")) -> str:
+    """Per arm: the runs' values, mean ± s.e., and per reference arm the paired difference [95 % interval]
+    with the number of runs on which the arm was above it."""
+    head = "| arm | " + " | ".join(runs) + " | mean ± se | " + " | ".join(f"− {r} [95 % CI] (wins)" for r in refs) + " |"
+    lines = [head, "|" + "---|" * (len(runs) + 2 + len(refs))]
     for arm, r in summary.items():
         cells = [f"{r['per_run'][x]:.1f}" if x in r["per_run"] else "–" for x in runs]
         diffs = []
-        for ref in ("rft_bc", "rft_full"):
+        for ref in refs:
             d = r.get(f"minus_{ref}")
-            diffs.append(f"{d['mean']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]" if d else "–")
+            diffs.append(f"{d['mean']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}] ({d['wins']}/{d['n']})"
+                         if d else "–")
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {r['mean']:.1f} ± {r['se']:.1f} | " + " | ".join(diffs)
                      + " |")
     return "\n".join(lines)
@@ -280,7 +316,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="Print a markdown table (after the JSON, on stderr).")
     a = ap.parse_args()
     per_run = {r.name: run_arms(r, a.arms, a.splits, a.report_only) for r in a.runs}
-    summary = summarise(per_run, a.arms)
+    summary = summarise(per_run, a.arms, {r.name: r for r in a.runs}, a.splits)
     print(json.dumps({"runs": per_run, "summary": summary}, indent=1))
     if a.markdown:
         print(markdown(summary, list(per_run)), file=sys.stderr)

@@ -29,6 +29,8 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
                   states: nothing the policy does there matters) get A = 0 after standardising (norm)
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
+  <arm>_lrK, _epN, _refN  any BPPO arm with the policy step's lr times K, N epochs, the old policy refreshed
+                  every N optimiser steps (combinable: learned_lr10_ep4_ref25)
 
     python benchmarks/bench_oracle.py --runs runs/lh-s0 runs/lh-s1 --arms rft_bc oracle_gae learned
     python benchmarks/bench_oracle.py --runs runs/lh-s* --report-only --markdown   # the table of what exists
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -73,11 +76,34 @@ RETRAINED_CRITIC = {  # arm -> (critic config overrides, backbone inside the run
 }
 
 
+SUFFIX = re.compile(r"_(clip02|lr[0-9.]+|ep[0-9]+|ref[0-9]+)$")
+
+
 def split_arm(arm: str) -> tuple[str, dict]:
-    """(base arm, policy overrides): ``X_clip02`` is X with eps_low 0.2."""
-    if arm.endswith("_clip02"):
-        return arm[: -len("_clip02")], {"eps_low": 0.2}
-    return arm, {}
+    """(base arm, policy overrides) of a BPPO arm with suffixes: ``_clip02`` eps_low 0.2, ``_lrK`` the lr times K,
+    ``_epN`` N epochs, ``_refN`` the old policy refreshed every N optimiser steps (``learned_lr10_ref25``)."""
+    over: dict = {}
+    while (m := SUFFIX.search(arm)) and arm[: m.start()]:
+        tok = m.group(1)
+        if tok == "clip02":
+            over["eps_low"] = 0.2
+        elif tok.startswith("lr"):
+            over["lr_factor"] = float(tok[2:])
+        elif tok.startswith("ep"):
+            over["epochs"] = int(tok[2:])
+        else:
+            over["old_refresh_steps"] = int(tok[3:])
+        arm = arm[: m.start()]
+    return arm, over
+
+
+def arm_name(name: str) -> str:
+    """argparse type: a base arm, or a BPPO arm with suffixes (split_arm)."""
+    base, over = split_arm(name)
+    if base not in BASE_ARMS or (over and base not in BPPO_ARMS):
+        raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms take the "
+                                         "suffixes _clip02, _lrK, _epN, _refN)")
+    return name
 
 
 def qevolve(*args: str | Path) -> str:
@@ -178,7 +204,10 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
         (work.parent / arm).mkdir(parents=True, exist_ok=True)
         data = advantage_table(run, arm, work.parent / arm) if over else advantage_table(run, arm, work)
         norm = arm not in RAW and arm != "oracle_gae_informative"  # informative: standardised above
-        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": norm, **over})
+        p_over = {k: v for k, v in over.items() if k != "lr_factor"}
+        if "lr_factor" in over:
+            p_over["lr"] = p1["lr"] * over["lr_factor"]
+        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": norm, **p_over})
         qevolve("policy", "--objective", "bppo", "--data", data, "--model", run / "bc" / "policy", "--ref",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)
     return policy
@@ -310,7 +339,7 @@ def markdown(summary: dict, runs: list[str], refs: tuple[str, ...] = ("rft_bc", 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=Path, nargs="+", required=True, help="Run directories of evolve --iters 1.")
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), type=arm_name)
     ap.add_argument("--splits", nargs="+", default=["test_seen", "test_unseen"])
     ap.add_argument("--report-only", action="store_true", help="Train and evaluate nothing: report what exists.")
     ap.add_argument("--markdown", action="store_true", help="Print a markdown table (after the JSON, on stderr).")

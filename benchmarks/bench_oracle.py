@@ -29,7 +29,7 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
                   states: nothing the policy does there matters) get A = 0 after standardising (norm)
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
-  <arm>_lrK, _epN, _refN  any BPPO arm with the policy step's lr times K, N epochs, the old policy refreshed
+  <arm>_lrK, _epN, _refN  any BPPO arm (and rft_bc: lr, epochs) with the policy step's lr times K, N epochs, the old policy refreshed
                   every N optimiser steps (combinable: learned_lr10_ep4_ref25)
 
     python benchmarks/bench_oracle.py --runs runs/lh-s0 runs/lh-s1 --arms rft_bc oracle_gae learned
@@ -100,8 +100,8 @@ def split_arm(arm: str) -> tuple[str, dict]:
 def arm_name(name: str) -> str:
     """argparse type: a base arm, or a BPPO arm with suffixes (split_arm)."""
     base, over = split_arm(name)
-    if base not in BASE_ARMS or (over and base not in BPPO_ARMS):
-        raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms take the "
+    if base not in BASE_ARMS or (over and base not in BPPO_ARMS + ["rft_bc"]):
+        raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms and rft_bc take the "
                                          "suffixes _clip02, _lrK, _epN, _refN)")
     return name
 
@@ -189,9 +189,14 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
     p1 = yaml.safe_load((run / "stages" / "policy_1.yaml").read_text())
     if arm == "learned" and not over and p1.get("normalize_advantage"):
         return run / "iter_1" / "policy"  # the run's own Q-Evolve policy (trained with standardised advantages)
+    p_over = {k: v for k, v in over.items() if k != "lr_factor"}
+    if "lr_factor" in over:
+        p_over["lr"] = p1["lr"] * over["lr_factor"]
     if arm == "rft_bc":
+        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", p_over) if p_over else \
+            run / "stages" / "policy_1.yaml"
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
-                run / "bc" / "policy", "--config", run / "stages" / "policy_1.yaml", "--out", policy)
+                run / "bc" / "policy", "--config", cfg, "--out", policy)
     elif arm == "awr_full":
         data = advantage_table(run, arm, work)
         cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"normalize_advantage": True})
@@ -204,9 +209,6 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
         (work.parent / arm).mkdir(parents=True, exist_ok=True)
         data = advantage_table(run, arm, work.parent / arm) if over else advantage_table(run, arm, work)
         norm = arm not in RAW and arm != "oracle_gae_informative"  # informative: standardised above
-        p_over = {k: v for k, v in over.items() if k != "lr_factor"}
-        if "lr_factor" in over:
-            p_over["lr"] = p1["lr"] * over["lr_factor"]
         cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": norm, **p_over})
         qevolve("policy", "--objective", "bppo", "--data", data, "--model", run / "bc" / "policy", "--ref",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)

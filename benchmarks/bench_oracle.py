@@ -20,6 +20,7 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   awr_full        AWR (weights exp(A), the learned advantages standardised) from the base model with
                   the BC budget: rft_full's start and budget, every row weighted by the critic instead
                   of keeping the successes only
+  awr_bc          the same AWR from BC with the iteration's budget (rft_bc's start and budget)
   a_one           A = 1 on every row: BC on everything (control)                 (raw)
   tab_gae_m05     tab_gae with expectile 0.5 (V = mean of Q: the behaviour policy's value) (norm)
   tab_gae_m09     tab_gae with expectile 0.9                                    (norm)
@@ -29,7 +30,7 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
                   states: nothing the policy does there matters) get A = 0 after standardising (norm)
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
-  <arm>_lrK, _epN, _refN  any BPPO arm (and rft_bc: lr, epochs) with the policy step's lr times K, N epochs, the old policy refreshed
+  <arm>_lrK, _epN, _refN  any BPPO arm (and rft_bc, awr_bc: lr, epochs) with the policy step's lr times K, N epochs, the old policy refreshed
                   every N optimiser steps (combinable: learned_lr10_ep4_ref25)
 
     python benchmarks/bench_oracle.py --runs runs/lh-s0 runs/lh-s1 --arms rft_bc oracle_gae learned
@@ -54,9 +55,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
 BASE_ARMS = ("sft", "rft_bc", "rft_full", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
              "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "shuffled", "a_one",
-             "awr_full",
+             "awr_full", "awr_bc",
              "oracle_gae_informative")
-BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "awr_full")]
+BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "awr_full", "awr_bc")]
 ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
 LABEL = {  # arm -> label config overrides over the run's label stage (value source, advantage, fit reward)
     "oracle_gae": {"value_source": "oracle", "advantage": "gae"},
@@ -76,12 +77,12 @@ RETRAINED_CRITIC = {  # arm -> (critic config overrides, backbone inside the run
 }
 
 
-SUFFIX = re.compile(r"_(clip02|lr[0-9.]+|ep[0-9]+|ref[0-9]+)$")
+SUFFIX = re.compile(r"_(clip02|lr[0-9.]+|ep[0-9]+|ref[0-9]+|hi[0-9.]+)$")
 
 
 def split_arm(arm: str) -> tuple[str, dict]:
     """(base arm, policy overrides) of a BPPO arm with suffixes: ``_clip02`` eps_low 0.2, ``_lrK`` the lr times K,
-    ``_epN`` N epochs, ``_refN`` the old policy refreshed every N optimiser steps (``learned_lr10_ref25``)."""
+    ``_epN`` N epochs, ``_refN`` the old policy refreshed every N optimiser steps, ``_hiK`` eps_high K (``learned_lr10_ref25``)."""
     over: dict = {}
     while (m := SUFFIX.search(arm)) and arm[: m.start()]:
         tok = m.group(1)
@@ -91,6 +92,8 @@ def split_arm(arm: str) -> tuple[str, dict]:
             over["lr_factor"] = float(tok[2:])
         elif tok.startswith("ep"):
             over["epochs"] = int(tok[2:])
+        elif tok.startswith("hi"):
+            over["eps_high"] = float(tok[2:])
         else:
             over["old_refresh_steps"] = int(tok[3:])
         arm = arm[: m.start()]
@@ -100,7 +103,7 @@ def split_arm(arm: str) -> tuple[str, dict]:
 def arm_name(name: str) -> str:
     """argparse type: a base arm, or a BPPO arm with suffixes (split_arm)."""
     base, over = split_arm(name)
-    if base not in BASE_ARMS or (over and base not in BPPO_ARMS + ["rft_bc"]):
+    if base not in BASE_ARMS or (over and base not in BPPO_ARMS + ["rft_bc", "awr_bc"]):
         raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms and rft_bc take the "
                                          "suffixes _clip02, _lrK, _epN, _refN)")
     return name
@@ -164,7 +167,7 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
         tmp.rename(out)
         return out
     learned = pl.read_parquet(run / "iter_1" / "advantages.parquet")
-    if arm in ("learned", "learned_raw", "awr_full"):
+    if arm in ("learned", "learned_raw", "awr_full", "awr_bc"):
         learned.write_parquet(out)
     elif arm == "learned_pos":
         a = pl.col("advantage")
@@ -201,6 +204,11 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
         data = advantage_table(run, arm, work)
         cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"normalize_advantage": True})
         qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "base_model", "--config", cfg,
+                "--out", policy)
+    elif arm == "awr_bc":
+        data = advantage_table(run, arm, work)
+        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": True, **p_over})
+        qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "bc" / "policy", "--config", cfg,
                 "--out", policy)
     elif arm == "rft_full":
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",

@@ -161,3 +161,33 @@ def test_mean_se_hand_computed_and_against_statistics():
     xs = [0.525, 0.975, 0.6, 0.1]
     m, se = mean_se(xs)
     assert m == pytest.approx(statistics.fmean(xs)) and se == pytest.approx(statistics.stdev(xs) / 2)
+
+
+def test_compare_eto_without_preference_pairs_is_the_sft_policy(run, compared, tmp_path):
+    """Every self trajectory ties with its task's expert (or has none): ETO has no pair to contrast, so its row
+    is the SFT policy with a note instead of a failed comparison (a real case: a BC policy that solves all
+    its rollout tasks)."""
+    from qevolve_cli.evolve.compare import eto_pairs
+    from qevolve_cli.policy.config import PolicyConfig
+
+    d_cfg = PolicyConfig(objective="dpo")
+    data = [str(run / "expert.parquet"), str(run / "iter_1" / "rollout.parquet")]
+    assert eto_pairs(d_cfg, data)["pairs"] > 0  # the module's run has pairs: ETO trained a DPO step there
+    cp = tmp_path / "run"
+    shutil.copytree(run, cp, ignore=shutil.ignore_patterns("compare"))
+    ro = pl.read_parquet(cp / "iter_1" / "rollout.parquet")
+    last = pl.col("step") == pl.col("step").max().over("traj_id")
+    ro.with_columns(pl.when(last).then(1.0).otherwise(0.0).cast(ro.schema["reward_env"]).alias("reward_env")) \
+        .write_parquet(cp / "iter_1" / "rollout.parquet")
+    info = eto_pairs(d_cfg, [str(cp / "expert.parquet"), str(cp / "iter_1" / "rollout.parquet")])
+    assert info["pairs"] == 0 and info["tie"] > 0
+    r = run_qevolve("compare", "--run-dir", cp, "--set", "arms=[sft,eto]", "--json", "--quiet", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["arm"]: row for row in json.loads(r.stdout)["rows"]}
+    eto, sft = rows["eto"], rows["sft"]
+    assert eto["selection_note"] == (f"no preference pair (tie {info['tie']}, without anchor {info['no_anchor']}): "
+                                     "no DPO step, ETO is the SFT policy")
+    assert [b["stage"] for b in eto["budget"]] == ["BC"] and eto["budget"] == sft["budget"]
+    assert not (cp / "compare" / "eto").exists()  # nothing trained
+    for col, s in sft["scores"].items():  # greedy evaluation of the same policy
+        assert eto["scores"][col]["avg_reward"] == s["avg_reward"]

@@ -110,6 +110,19 @@ class CompareConfig(ConfigBase):
         return PolicyConfig.from_dict(d, source="compare config: eto")
 
 
+def eto_pairs(d_cfg, data: list[str]) -> dict[str, int]:
+    """The preference pairs ETO's DPO step would train on (``{"pairs", "tie", "no_anchor"}``), read without
+    training: when every self trajectory ties with its anchor there is nothing to contrast."""
+    from qevolve_cli.policy.data import dpo_pairs, read_tables
+    from qevolve_cli.schema import drop_failed
+
+    df = read_tables(data)
+    if d_cfg.drop_failed:
+        df = drop_failed(df)
+    pairs, info = dpo_pairs(df, d_cfg.dpo_pairs)
+    return {**info, "pairs": len(pairs)}
+
+
 def _echo_stderr(msg: str) -> None:
     import sys
 
@@ -223,7 +236,14 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
         crun.run_stage("rft", train_rft, inputs=data + [str(base)], outputs=["rft/policy"],
                        config_hash=r_cfg.hash(), iteration=1, echo=echo)
         policies["rft"] = cdir / "rft" / "policy"
-    if ccfg.select_on_validation and "eto" in ccfg.arms:
+    eto_note = None
+    if "eto" in ccfg.arms and not (info := eto_pairs(ccfg.eto_config(ecfg), data))["pairs"]:
+        # no task has a self trajectory whose final reward differs from its anchor's: no DPO step to take
+        eto_note = (f"no preference pair (tie {info['tie']}, without anchor {info['no_anchor']}): no DPO step, "
+                    "ETO is the SFT policy")
+        echo(f"compare: ETO: {eto_note}")
+        policies["eto"] = bc
+    elif ccfg.select_on_validation and "eto" in ccfg.arms:
         from qevolve_cli.evolve.select import select
 
         def eto_train(c, out_dir):
@@ -385,12 +405,15 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             row["budget"] = [budget_of(bc, "BC"), budget_of(policies[arm], "it 1 (V*)")]
             sel = selections.get(arm)
         else:
-            row["budget"] = [budget_of(policies[arm], "BC" if arm in ("sft", "best_of_n") else ARM_NAMES[arm])]
+            plain_bc = arm in ("sft", "best_of_n") or (arm == "eto" and eto_note)
+            row["budget"] = [budget_of(policies[arm], "BC" if plain_bc else ARM_NAMES[arm])]
             sel = selections.get(arm) if arm != "best_of_n" else None
         row["budget"] = [b for b in row["budget"] if b]
         row["selection"] = sel
         if arm == "best_of_n" and ccfg.select_on_validation:
             row["selection_note"] = "BC as chosen for SFT; no training of its own"
+        if arm == "eto" and eto_note:
+            row["selection_note"] = eto_note
         rows.append(row)
     table = {"run": str(run), "env": ecfg.env, "seed": ecfg.seed, "splits": list(ecfg.eval_splits),
              "columns": [f"{ecfg.env}/{s}" for s in ecfg.eval_splits], "best_of": ccfg.best_of,

@@ -6,6 +6,8 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   sft             the run's BC policy, evaluated on the whole splits (the run may have used eval_max_tasks)
   rft_bc          RFT from BC with the iteration's policy budget (the same start and budget as BPPO)
   rft_full        RFT as `qevolve compare` trains it: from the base model with the BC budget
+  bc_redraw       BC trained again from the base model on the expert rows with another seed (seed + 1000):
+                  the spread of BC itself, the control of every arm that retrains from the base model
   oracle_gae      V* (the environment's exact solver) + GAE on r_env             (norm)
   oracle_gae_raw  the same, advantages as labelled                               (raw)
   oracle_td       V* + one-step TD                                               (norm)
@@ -53,11 +55,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
-BASE_ARMS = ("sft", "rft_bc", "rft_full", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
+BASE_ARMS = ("sft", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
              "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "shuffled", "a_one",
              "awr_full", "awr_bc",
              "oracle_gae_informative")
-BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "awr_full", "awr_bc")]
+BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "bc_redraw", "awr_full", "awr_bc")]
 ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
 LABEL = {  # arm -> label config overrides over the run's label stage (value source, advantage, fit reward)
     "oracle_gae": {"value_source": "oracle", "advantage": "gae"},
@@ -210,6 +212,11 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
         cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": True, **p_over})
         qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "bc" / "policy", "--config", cfg,
                 "--out", policy)
+    elif arm == "bc_redraw":
+        b = yaml.safe_load((run / "stages" / "bc.yaml").read_text())
+        cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"seed": int(b.get("seed", 0)) + 1000})
+        qevolve("policy", "--objective", "bc", "--data", run / "expert.parquet", "--model", run / "base_model",
+                "--config", cfg, "--out", policy)
     elif arm == "rft_full":
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "base_model", "--config", run / "stages" / "bc.yaml", "--out", policy)

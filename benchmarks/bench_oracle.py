@@ -22,6 +22,10 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   awr_full        AWR (weights exp(A), the learned advantages standardised) from the base model with
                   the BC budget: rft_full's start and budget, every row weighted by the critic instead
                   of keeping the successes only
+  awr_full_one    control of awr_full: the same AWR with every weight 1 (BC from the base model on every row,
+                  failed trajectories included): what the data adds without the critic
+  awr_full_shuffled  control of awr_full: the learned advantages permuted over the steps (the same
+                  weights, not where the critic put them)
   awr_bc          the same AWR from BC with the iteration's budget (rft_bc's start and budget)
   a_one           A = 1 on every row: BC on everything (control)                 (raw)
   tab_gae_m05     tab_gae with expectile 0.5 (V = mean of Q: the behaviour policy's value) (norm)
@@ -57,9 +61,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
 BASE_ARMS = ("sft", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
              "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "shuffled", "a_one",
-             "awr_full", "awr_bc",
+             "awr_full", "awr_full_one", "awr_full_shuffled", "awr_bc",
              "oracle_gae_informative")
-BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "bc_redraw", "awr_full", "awr_bc")]
+BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "bc_redraw", "awr_full", "awr_full_one",
+                                               "awr_full_shuffled", "awr_bc")]
 ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
 LABEL = {  # arm -> label config overrides over the run's label stage (value source, advantage, fit reward)
     "oracle_gae": {"value_source": "oracle", "advantage": "gae"},
@@ -175,9 +180,9 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
         a = pl.col("advantage")
         learned.with_columns(((a - a.mean()) / (a.std() + 1e-8)).clip(lower_bound=0.0).cast(pl.Float32)
                              .alias("advantage")).write_parquet(out)
-    elif arm == "shuffled":
+    elif arm in ("shuffled", "awr_full_shuffled"):
         learned.with_columns(pl.col("advantage").shuffle(seed=0)).write_parquet(out)
-    elif arm == "a_one":
+    elif arm in ("a_one", "awr_full_one"):
         learned.with_columns(pl.lit(1.0, pl.Float32).alias("advantage")).write_parquet(out)
     return out
 
@@ -202,7 +207,7 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
             run / "stages" / "policy_1.yaml"
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)
-    elif arm == "awr_full":
+    elif arm in ("awr_full", "awr_full_one", "awr_full_shuffled"):
         data = advantage_table(run, arm, work)
         cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"normalize_advantage": True})
         qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "base_model", "--config", cfg,

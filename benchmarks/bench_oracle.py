@@ -36,8 +36,9 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
                   states: nothing the policy does there matters) get A = 0 after standardising (norm)
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
-  <arm>_lrK, _epN, _refN  any BPPO arm (and rft_bc, awr_bc: lr, epochs) with the policy step's lr times K, N epochs, the old policy refreshed
-                  every N optimiser steps (combinable: learned_lr10_ep4_ref25)
+  <arm>_lrK, _epN, _refN, _hiK  any BPPO arm (and rft_bc, awr_bc) with the policy step's lr times K, N
+                  epochs, the old policy refreshed every N optimiser steps, eps_high K (combinable:
+                  learned_lr10_ep4_ref25)
 
     python benchmarks/bench_oracle.py --runs runs/lh-s0 runs/lh-s1 --arms rft_bc oracle_gae learned
     python benchmarks/bench_oracle.py --runs runs/lh-s* --report-only --markdown   # the table of what exists
@@ -111,8 +112,8 @@ def arm_name(name: str) -> str:
     """argparse type: a base arm, or a BPPO arm with suffixes (split_arm)."""
     base, over = split_arm(name)
     if base not in BASE_ARMS or (over and base not in BPPO_ARMS + ["rft_bc", "awr_bc"]):
-        raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms and rft_bc take the "
-                                         "suffixes _clip02, _lrK, _epN, _refN)")
+        raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms, rft_bc and "
+                                         "awr_bc take the suffixes _clip02, _lrK, _epN, _refN, _hiK)")
     return name
 
 

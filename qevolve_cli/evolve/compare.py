@@ -113,12 +113,9 @@ class CompareConfig(ConfigBase):
 def eto_pairs(d_cfg, data: list[str]) -> dict[str, int]:
     """The preference pairs ETO's DPO step would train on (``{"pairs", "tie", "no_anchor"}``), read without
     training: when every self trajectory ties with its anchor there is nothing to contrast."""
-    from qevolve_cli.policy.data import dpo_pairs, read_tables
-    from qevolve_cli.schema import drop_failed
+    from qevolve_cli.policy.data import dpo_pairs, read_training_rows
 
-    df = read_tables(data)
-    if d_cfg.drop_failed:
-        df = drop_failed(df)
+    df, _ = read_training_rows(d_cfg, data)
     pairs, info = dpo_pairs(df, d_cfg.dpo_pairs)
     return {**info, "pairs": len(pairs)}
 

@@ -324,11 +324,9 @@ def read_tables(data, require: tuple[str, ...] | list[str] = ()):
     return frames[0] if len(frames) == 1 else pl.concat(frames, how="diagonal_relaxed")
 
 
-def load_policy_table(cfg: PolicyConfig, data):
-    """Read (one or several tables) and select the training rows of ``data`` for ``cfg.objective``.
-
-    -> (rows, info): ``info`` holds the rft counts or the dpo ``pairs`` and counts.
-    """
+def read_training_rows(cfg: PolicyConfig, data):
+    """The rows every objective selects from: the tables read and validated (``advantage`` required for bppo
+    and awr), crashed trajectories dropped when ``cfg.drop_failed``. -> (rows, the tables' names for errors)."""
     from qevolve_cli.schema import drop_failed
 
     paths = data_paths(data)
@@ -337,6 +335,15 @@ def load_policy_table(cfg: PolicyConfig, data):
     df = read_tables(paths, need)
     if cfg.drop_failed:
         df = drop_failed(df)
+    return df, where
+
+
+def load_policy_table(cfg: PolicyConfig, data):
+    """Read (one or several tables) and select the training rows of ``data`` for ``cfg.objective``.
+
+    -> (rows, info): ``info`` holds the rft counts or the dpo ``pairs`` and counts.
+    """
+    df, where = read_training_rows(cfg, data)
     info: dict[str, Any] = {}
     if cfg.objective == "bc" and cfg.bc_source == "expert":
         df = df.filter(pl.col("source") == "expert")
@@ -358,7 +365,7 @@ def load_policy_table(cfg: PolicyConfig, data):
         info = {**info, "pairs": pairs}
     if df.height == 0:
         raise TableError(where, None, "no trajectories left to train on")
-    if need:
+    if cfg.objective in ("bppo", "awr"):  # read_training_rows required the advantage column
         nulls = df.filter(pl.col("advantage").is_null())
         if nulls.height:
             r = nulls.row(0, named=True)

@@ -26,6 +26,9 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
                   failed trajectories included): what the data adds without the critic
   awr_full_shuffled  control of awr_full: the learned advantages permuted over the steps (the same
                   weights, not where the critic put them)
+  awr_oracle      awr_full on the exact V* + GAE advantages (oracle_gae's) instead of the learned critic's:
+                  the ceiling of the critic under `evolve --policy-step awr`
+  awr_tab         awr_full on tab_gae's advantages (exact tabular IQL on the buffer)
   awr_bc          the same AWR from BC with the iteration's budget (rft_bc's start and budget)
   a_one           A = 1 on every row: BC on everything (control)                 (raw)
   tab_gae_m05     tab_gae with expectile 0.5 (V = mean of Q: the behaviour policy's value) (norm)
@@ -62,10 +65,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
 BASE_ARMS = ("sft", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
              "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "shuffled", "a_one",
-             "awr_full", "awr_full_one", "awr_full_shuffled", "awr_bc",
+             "awr_full", "awr_full_one", "awr_full_shuffled", "awr_bc", "awr_oracle", "awr_tab",
              "oracle_gae_informative")
-BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "bc_redraw", "awr_full", "awr_full_one",
-                                               "awr_full_shuffled", "awr_bc")]
+AWR_FULL_ARMS = ("awr_full", "awr_full_one", "awr_full_shuffled", "awr_oracle", "awr_tab")
+BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "bc_redraw", "awr_bc", *AWR_FULL_ARMS)]
 ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
 LABEL = {  # arm -> label config overrides over the run's label stage (value source, advantage, fit reward)
     "oracle_gae": {"value_source": "oracle", "advantage": "gae"},
@@ -77,6 +80,8 @@ LABEL = {  # arm -> label config overrides over the run's label stage (value sou
     "tab_gae_m05": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux", "expectile": 0.5},
     "tab_gae_m09": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux", "expectile": 0.9},
     "oracle_gae_informative": {"value_source": "oracle", "advantage": "gae"},
+    "awr_oracle": {"value_source": "oracle", "advantage": "gae"},
+    "awr_tab": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux"},
 }
 RAW = {"oracle_gae_raw", "learned_raw", "a_one", "learned_pos"}  # learned_pos: standardised before clamping
 RETRAINED_CRITIC = {  # arm -> (critic config overrides, backbone inside the run) of a critic trained anew
@@ -208,7 +213,7 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
             run / "stages" / "policy_1.yaml"
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)
-    elif arm in ("awr_full", "awr_full_one", "awr_full_shuffled"):
+    elif arm in AWR_FULL_ARMS:
         data = advantage_table(run, arm, work)
         cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"normalize_advantage": True})
         qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "base_model", "--config", cfg,

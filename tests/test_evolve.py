@@ -253,3 +253,58 @@ def test_cpu_smol_preset(tmp_path):
     assert "qevolve init-model --from smollm2-135m-instruct --out base_model" in Plan(cfg, tmp_path).shell()
     with pytest.raises(ConfigError, match="unknown pretrained model 'gpt-5'"):
         resolve("lamps", "cpu-smol", overrides={"init_model": "from:gpt-5"})
+
+
+def test_policy_step_awr_is_the_bc_budget_from_the_base_model(tmp_path):
+    """policy_step awr: every iteration's policy stage is the bc stage's config with objective awr and the AWR
+    fields of the policy sections; it starts from the base model with no reference (plan.sh says so); bppo (the
+    paper) is unchanged and keeps the hash older runs were made with; without a base model awr is refused."""
+    import dataclasses
+
+    from qevolve_cli.evolve.config import EvolveConfig
+    from qevolve_cli.evolve.loop import Plan, policy_start
+
+    cfg = resolve("lamps-hard", "cpu", overrides={"iters": 2, "policy": {"awr_beta": 0.5, "lr": 9.0}})
+    assert cfg.policy_step == "awr" and cfg.policy_candidates == cfg.bc_candidates
+    bc = cfg.stage("bc", 0)
+    for k in (1, 2):
+        p = cfg.stage("policy", k)
+        assert p.objective == "awr" and p.awr_beta == 0.5 and p.normalize_advantage
+        same = {f.name for f in dataclasses.fields(p)} - {"objective", "awr_beta"}
+        assert {n: getattr(p, n) for n in same} == {n: getattr(bc, n) for n in same}  # lr 2e-3, not the 9.0
+    plan = Plan(cfg, tmp_path).shell()
+    assert "qevolve policy --objective awr --data iter_2/advantages.parquet --model base_model --config" in plan
+    assert "--ref" not in plan
+    assert policy_start(cfg, "B", "P") == ("B", None)
+
+    bppo = resolve("lamps-hard", "cpu", overrides={"iters": 2, "policy_step": "bppo"})
+    assert bppo.stage("policy", 1).objective == "bppo" and bppo.stage("policy", 1).lr == 1e-4
+    assert policy_start(bppo, "B", "P") == ("P", "P")
+    assert "--objective bppo --data iter_1/advantages.parquet --model bc/policy --ref bc/policy" in Plan(bppo, tmp_path).shell()
+    d = bppo.to_dict()
+    del d["policy_step"]  # the config.yaml of a run made before the field existed resumes as bppo
+    assert EvolveConfig.from_dict(d).hash() == bppo.hash() != bppo.replace(policy_step="awr").hash()
+
+    with pytest.raises(ConfigError, match="policy_step.*awr trains every iteration from the base model"):
+        EvolveConfig.from_dict({"env": "lamps", "start_policy": "some/policy", "policy_step": "awr"})
+
+
+def test_evolve_with_policy_step_awr(tmp_path):
+    """A real `evolve --policy-step awr` run: iteration 1's policy is AWR on the critic's advantages, trained
+    from the base model (its manifest inputs) with the bc stage's epochs and lr, and evaluated."""
+    import yaml
+
+    run = tmp_path / "run"
+    r = run_qevolve("evolve", "--env", "lamps", "--preset", "smoke", "--iters", "1", "--policy-step", "awr",
+                    "--run-dir", run, "--quiet", "--json", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = manifest(run)
+    assert list(st) == STAGES_1 and all(s["status"] == "done" for s in st.values())
+    assert "base_model" in st["iter_1/policy"]["inputs"] and "bc/policy" not in st["iter_1/policy"]["inputs"]
+    pol = yaml.safe_load((run / "iter_1/policy/config.yaml").read_text())
+    bc = yaml.safe_load((run / "bc/policy/config.yaml").read_text())
+    assert pol["objective"] == "awr" and (pol["epochs"], pol["lr"]) == (bc["epochs"], bc["lr"])
+    assert yaml.safe_load((run / "config.yaml").read_text())["policy_step"] == "awr"
+    summary = json.loads((run / "iter_1/policy/train_summary.json").read_text())
+    assert summary["trajectories"] == pl.read_parquet(run / "iter_1/advantages.parquet")["traj_id"].n_unique()
+    assert "--objective awr --data iter_1/advantages.parquet --model base_model --config" in (run / "plan.sh").read_text()

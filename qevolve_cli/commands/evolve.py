@@ -20,7 +20,8 @@ from qevolve_cli.commands.common import (
 )
 
 HELP = """Run Q-Evolve end to end: BC warm-up on expert data, then per iteration rollout -> label ->
-critic -> label --critic -> policy (bppo) -> eval, into RUN_DIR (resumable).
+critic -> label --critic -> policy (bppo, or awr with --policy-step awr) -> eval, into RUN_DIR
+(resumable).
 
 \b
 Presets: configs/presets/<env>.yaml holds the paper's hyper-parameters per environment and
@@ -33,6 +34,7 @@ Examples:
   qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
   qevolve evolve --env lamps --preset cpu-smol --iters 1 --run-dir runs/demo-smol
   qevolve evolve --env lamps --preset cpu --iters 2 --select-on-validation --run-dir runs/lamps-sel
+  qevolve evolve --env lamps-hard --preset cpu --iters 1 --policy-step bppo --run-dir runs/lh-bppo
   qevolve evolve --env sciworld --iters 2 --preset smoke --run-dir runs/sw-smoke
   qevolve evolve --env alfworld --iters 2 --model /models/Llama-3-8B-Instruct --run-dir runs/alf
   qevolve evolve --env sciworld --iters 2 --model M --run-dir runs/sw --resume   # after Ctrl-C / a crash
@@ -73,6 +75,10 @@ def register(app: typer.Typer) -> None:
         select: Annotated[bool, typer.Option("--select-on-validation", help="Train every candidate setting of BC and "
                                              "of each iteration's policy step, keep the best on validation train "
                                              "tasks (never test; docs/compare.md).")] = False,
+        policy_step: Annotated[str | None, typer.Option(
+            "--policy-step", help="Each iteration's policy step: bppo (the paper: from the previous policy) or awr "
+            "(advantage-weighted regression from the base model with the BC budget; docs/compare.md, 'The AWR "
+            "policy step'). Default: the preset's.")] = None,
         log_to: Annotated[str | None, typer.Option("--log-to", help="Also log metrics to: tensorboard, wandb (comma list).")] = None,
         print_cfg: PrintConfigOpt = False,
         quiet: QuietOpt = False,
@@ -85,6 +91,7 @@ def register(app: typer.Typer) -> None:
 
             overrides = {"iters": iters, "model": model, "start_policy": policy, "expert_data": expert, "seed": seed,
                          "precision": precision, "select_on_validation": True if select else None,
+                         "policy_step": policy_step,
                          "log_to": log_to.split(",") if log_to else None}
             if model:  # an explicit model replaces the preset's tiny model
                 overrides["init_model"] = None

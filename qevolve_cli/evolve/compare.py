@@ -13,7 +13,8 @@ rollouts, its base model and BC policy, its evaluation settings) the arms are:
   final env reward (an oracle upper bound, QLASS's rule);
 * **Q-Evolve** = the run's last evaluated iteration;
 * **Q-Evolve (oracle V)** (environments with an exact solver: lamps, lamps-hard) = the iteration-1
-  policy step (BPPO from the BC policy, the run's ``policy_1`` config) on the iteration-1 labels
+  policy step (the run's own: BPPO from the BC policy, or under ``policy_step: awr`` AWR from the base
+  model; the run's ``policy_1`` config) on the iteration-1 labels
   with the *exact* optimal values ``V*`` in place of the learned critic's (``label --value-source
   oracle``): the ceiling of the critic. Where it does not beat RFT, the policy step is to blame,
   not the critic (docs/compare.md).
@@ -140,7 +141,7 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     from qevolve_cli.config import dump_yaml
     from qevolve_cli.envs.oracle import SOLVERS, has_solver
     from qevolve_cli.evolve.config import EvolveConfig
-    from qevolve_cli.evolve.loop import Plan, _scalars
+    from qevolve_cli.evolve.loop import Plan, _scalars, policy_start
     from qevolve_cli.evolve.rundir import RunDir
 
     ccfg = ccfg or CompareConfig()
@@ -281,11 +282,13 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
         crun.run_stage("oracle_v/advantage", oracle_labels, inputs=[str(labeled)],
                        outputs=["oracle_v/advantages.parquet"], config_hash=l_cfg.hash(), iteration=1, echo=echo)
 
+        o_start, o_ref = policy_start(ecfg, base, bc)  # the run's own policy step (bppo from BC, or awr)
+
         def train_oracle_v():
             from qevolve_cli.policy.trainer import train_policy
 
-            return _scalars(train_policy(o_cfg, cdir / "oracle_v" / "advantages.parquet", bc,
-                                         cdir / "oracle_v" / "policy", ref=bc, quiet=quiet))
+            return _scalars(train_policy(o_cfg, cdir / "oracle_v" / "advantages.parquet", o_start,
+                                         cdir / "oracle_v" / "policy", ref=o_ref, quiet=quiet))
 
         if ccfg.select_on_validation:  # the candidates of the run's own policy steps
             from qevolve_cli.evolve.select import select
@@ -293,14 +296,15 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             def oracle_train(c, out_dir):
                 from qevolve_cli.policy.trainer import train_policy
 
-                return train_policy(c, cdir / "oracle_v" / "advantages.parquet", bc, out_dir, ref=bc, quiet=quiet)
+                return train_policy(c, cdir / "oracle_v" / "advantages.parquet", o_start, out_dir, ref=o_ref,
+                                    quiet=quiet)
 
             selections["qevolve_oracle_v"] = select(crun, "oracle_v", o_cfg, ecfg.policy_candidates, oracle_train,
                                                     v_cfg, val_tasks, iteration=1,
-                                                    inputs=["oracle_v/advantages.parquet", str(bc)], echo=echo)
+                                                    inputs=["oracle_v/advantages.parquet", str(o_start)], echo=echo)
             policies["qevolve_oracle_v"] = cdir / selections["qevolve_oracle_v"]["policy"]
         else:
-            crun.run_stage("oracle_v", train_oracle_v, inputs=["oracle_v/advantages.parquet", str(bc)],
+            crun.run_stage("oracle_v", train_oracle_v, inputs=["oracle_v/advantages.parquet", str(o_start)],
                            outputs=["oracle_v/policy"], config_hash=o_cfg.hash(), iteration=1, echo=echo)
             policies["qevolve_oracle_v"] = cdir / "oracle_v" / "policy"
 

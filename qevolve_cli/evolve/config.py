@@ -26,6 +26,9 @@ from qevolve_cli.precision import DTYPE_OF
 
 SCALES = ("paper", "smoke", "cpu", "cpu-smol")
 STAGE_SECTIONS = ("bc", "rollout", "label", "critic", "policy")
+POLICY_STEPS = ("bppo", "awr")
+AWR_FIELDS = ("awr_beta", "awr_max_weight", "normalize_advantage")
+"""Fields of the policy sections that the awr policy step keeps (the rest of its config is the bc stage's)."""
 
 
 @dataclass
@@ -48,6 +51,12 @@ class EvolveConfig(ConfigBase):
     critic_backbone: str = field("base", help="Frozen backbone of each iteration's critic: base (the pretrained "
                                               "base model, the paper) or policy (the iteration's starting policy).",
                                  choices=("base", "policy"))
+    policy_step: str = field("bppo", help="Policy step of every iteration: bppo (the paper: BPPO from the previous "
+                             "iteration's policy, which is also pi_ref, with the policy stage's config) or awr "
+                             "(advantage-weighted regression on the critic's standardised advantages, from the base "
+                             "model with the BC warm-up's budget, as `compare` trains RFT; only awr_beta, "
+                             "awr_max_weight and normalize_advantage come from the policy sections). awr departs "
+                             "from the paper: docs/compare.md, 'The AWR policy step'.", choices=POLICY_STEPS)
     expert_data: str | None = field(None, help="Existing expert table (default: collected with `qevolve expert`).")
     expert_limit: int = field(0, help="Expert trajectories to collect from the train split (0 = all tasks).", ge=0)
     expert_workers: int = field(2, help="Worker processes for expert collection.", ge=1)
@@ -87,6 +96,9 @@ class EvolveConfig(ConfigBase):
                 raise ConfigError(source, prefix + "log_to", f"unknown sink {sink!r} (tensorboard, wandb)")
         if self.model is None and self.init_model is None and self.start_policy is None:
             raise ConfigError(source, prefix + "model", "no base model: pass --model DIR (or a preset with init_model)")
+        if self.policy_step == "awr" and self.model is None and self.init_model is None:
+            raise ConfigError(source, prefix + "policy_step", "awr trains every iteration from the base model, and "
+                              "there is none (only --policy): pass --model DIR")
         if self.init_model is not None:
             parts = self.init_model.split(":")
             if len(parts) != 2:
@@ -132,22 +144,25 @@ class EvolveConfig(ConfigBase):
         """For each field of :meth:`stage` ``(name, iteration)``: the layer that set it (``origin`` from
         :func:`resolve_with_origin`); what evolve itself supplies (objective, seed, env) is named so."""
         cfg = self.stage(name, iteration)
+        awr = name == "policy" and self.policy_step == "awr"
         implied = {"bc": {"objective": "the bc stage", "seed": "seed"},
-                   "policy": {"objective": "the policy stage (bppo)", "seed": "seed"},
+                   "policy": {"objective": f"policy_step ({self.policy_step})" if awr else "the policy stage (bppo)",
+                              "seed": "seed"},
                    "rollout": {"env": "env", "iteration": "the iteration", "seed": "seed + 1000 x iteration"},
                    "critic": {"seed": "seed"}, "label": {}}[name]
         out = {}
         for f in dataclasses.fields(cfg):
             key = None
-            if name != "bc" and 1 <= iteration <= len(self.iterations) and f.name in self.iterations[iteration - 1].get(name, {}):
-                key = ("iterations", iteration - 1, name, f.name)
-            elif f.name in getattr(self, name):
-                key = (name, f.name)
+            src = "bc" if awr and f.name not in AWR_FIELDS else name  # awr: the bc stage's budget
+            if src != "bc" and 1 <= iteration <= len(self.iterations) and f.name in self.iterations[iteration - 1].get(src, {}):
+                key = ("iterations", iteration - 1, src, f.name)
+            elif f.name in getattr(self, src):
+                key = (src, f.name)
             switched = "precision" if name in ("bc", "policy") else "dtype" if name in ("rollout", "critic") else None
             if self.precision != "auto" and f.name == switched:  # the one precision switch wins (stage())
                 out[f.name] = f"evolve: precision ({origin.get(('precision',), 'resolved config')})"
-            elif key is not None and not (name == "bc" and f.name == "objective"):
-                part = f"iterations[{key[1]}].{name}" if key[0] == "iterations" else name
+            elif key is not None and not (src == "bc" and f.name == "objective"):
+                part = f"iterations[{key[1]}].{src}" if key[0] == "iterations" else src
                 out[f.name] = f"{origin.get(key, 'resolved config')}, {part}"
             elif f.name in implied:
                 what = implied[f.name]
@@ -158,8 +173,11 @@ class EvolveConfig(ConfigBase):
         return out
 
     def stage(self, name: str, iteration: int = 1):
-        """The validated stage config of ``name`` for ``iteration``."""
+        """The validated stage config of ``name`` for ``iteration``. Under ``policy_step: awr`` the policy stage is
+        the bc stage's config with objective awr and the :data:`AWR_FIELDS` of the policy sections."""
         d = self.section(name, iteration)
+        if name == "policy" and self.policy_step == "awr":
+            d = {**self.section("bc", 0), **{k: v for k, v in d.items() if k in AWR_FIELDS}, "objective": "awr"}
         if self.precision != "auto":  # one switch for every stage
             if name in ("bc", "policy"):
                 d["precision"] = self.precision

@@ -1,6 +1,9 @@
 """`qevolve evolve`: BC warm-up, then K iterations of
 rollout → label → critic → label --critic → policy (bppo) → eval  (paper Algorithm "Q-Evolve").
 
+``policy_step: awr`` replaces the policy step by advantage-weighted regression from the base model with the
+BC budget (:func:`policy_start`; docs/compare.md, "The AWR policy step").
+
 Every stage calls the same library function as its sub-command, records itself
 in the run directory's manifest, and is skipped when a resume finds it done.
 """
@@ -20,6 +23,12 @@ from qevolve_cli.evolve.rundir import scalars as _scalars  # noqa: F401 - re-exp
 
 def _echo_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def policy_start(cfg: EvolveConfig, base: str, prev: str) -> tuple[str, str | None]:
+    """(model the iteration's policy step starts from, its frozen reference or None): bppo starts from the
+    previous policy ``prev``, which is also pi_ref; awr starts from the base model and has no reference."""
+    return (base, None) if cfg.policy_step == "awr" else (prev, prev)
 
 
 class Plan:
@@ -74,6 +83,8 @@ class Plan:
                 lines.append(f"qevolve eval --env {c.env} --policy {q(self.policy(0))} --split {s}{mt} --config stages/rollout_1.yaml --out iter_0/eval_{s}.parquet")
         for k in range(1, c.iters + 1):
             prev = q(self.policy(k - 1))
+            start, ref = policy_start(c, base, prev)
+            ref_flag = f" --ref {ref}" if ref else ""
             lines += [
                 f"# iteration {k}",
                 f"qevolve rollout --env {c.env} --policy {prev} --split train --iteration {k} --seed {c.seed + 1000 * k} "
@@ -84,7 +95,7 @@ class Plan:
                 f"--config stages/critic_{k}.yaml --out iter_{k}/critic",
                 f"qevolve label iter_{k}/labeled.parquet --critic iter_{k}/critic --config stages/label_{k}.yaml "
                 f"--out iter_{k}/advantages.parquet",
-                f"qevolve policy --objective bppo --data iter_{k}/advantages.parquet --model {prev} --ref {prev} "
+                f"qevolve policy --objective {c.policy_step} --data iter_{k}/advantages.parquet --model {start}{ref_flag} "
                 f"--config stages/policy_{k}.yaml --out iter_{k}/policy",
             ]
             for s in c.eval_splits:
@@ -262,24 +273,26 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
                       outputs=[f"{it}/advantages.parquet"], config_hash=l_cfg.hash(), iteration=k, echo=echo)
 
         p_cfg = cfg.stage("policy", k)
+        start, ref = policy_start(cfg, base, prev)
+        p_inputs = [f"{it}/advantages.parquet", policy_start(cfg, plan.base_model(), plan.policy(k - 1))[0]]
 
-        def policy(p_cfg=p_cfg, it=it, prev=prev):
+        def policy(p_cfg=p_cfg, it=it, start=start, ref=ref):
             from qevolve_cli.policy.trainer import train_policy
 
-            return _scalars(train_policy(p_cfg, run.path / it / "advantages.parquet", prev, run.path / it / "policy",
-                                         ref=prev, quiet=quiet))
+            return _scalars(train_policy(p_cfg, run.path / it / "advantages.parquet", start, run.path / it / "policy",
+                                         ref=ref, quiet=quiet))
 
         if cfg.select_on_validation:
-            def train_step(c, out, it=it, prev=prev):
+            def train_step(c, out, it=it, start=start, ref=ref):
                 from qevolve_cli.policy.trainer import train_policy
 
-                return train_policy(c, run.path / it / "advantages.parquet", prev, out, ref=prev, quiet=quiet)
+                return train_policy(c, run.path / it / "advantages.parquet", start, out, ref=ref, quiet=quiet)
 
-            _select_and_adopt(cfg, run, it, f"{it}/policy", k, p_cfg, cfg.policy_candidates, train_step,
-                              [f"{it}/advantages.parquet", plan.policy(k - 1)], echo)
+            _select_and_adopt(cfg, run, it, f"{it}/policy", k, p_cfg, cfg.policy_candidates, train_step, p_inputs,
+                              echo)
         else:
-            run.run_stage(f"{it}/policy", policy, inputs=[f"{it}/advantages.parquet", plan.policy(k - 1)],
-                          outputs=[f"{it}/policy"], config_hash=p_cfg.hash(), iteration=k, echo=echo)
+            run.run_stage(f"{it}/policy", policy, inputs=p_inputs, outputs=[f"{it}/policy"],
+                          config_hash=p_cfg.hash(), iteration=k, echo=echo)
         scores[k] = _evaluate(cfg, run, k, P(plan.policy(k)), echo, quiet)
 
     from qevolve_cli.evolve.report import build_report

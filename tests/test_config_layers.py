@@ -61,7 +61,8 @@ def _without(d: dict, path: tuple) -> dict:
 
 def _trained_with(env: str, env_data: dict, scale: str, scale_data: dict | None):
     """Everything `qevolve evolve --env ENV --preset SCALE` runs with: its own fields and every stage config of
-    every iteration (or the error a broken preset gives)."""
+    every iteration, under the preset's policy step and the other one (`--policy-step`: the bppo values of a
+    preset whose step is awr still count), or the error a broken preset gives."""
     from qevolve_cli.evolve.config import STAGE_SECTIONS, EvolveConfig, merge_presets
 
     try:
@@ -71,7 +72,8 @@ def _trained_with(env: str, env_data: dict, scale: str, scale_data: dict | None)
         return repr(e)
     own = {k: v for k, v in cfg.to_dict().items() if k not in (*STAGE_SECTIONS, "iterations")}
     k_max = max(cfg.iters, len(cfg.iterations), 1)
-    return own, [cfg.stage(s, k) for k in range(k_max + 1) for s in STAGE_SECTIONS]
+    return own, [c.stage(s, k) for c in (cfg, cfg.replace(policy_step="awr" if cfg.policy_step == "bppo" else "bppo"))
+                 for k in range(k_max + 1) for s in STAGE_SECTIONS]
 
 
 def test_presets_hold_no_copy_of_a_value_the_layers_below_give():
@@ -143,9 +145,14 @@ def test_scale_preset_means_the_same_numbers_for_stage_commands_and_evolve(scale
             name = f"{scale}_iter{k}"
             cases += [("policy", k, PolicyConfig, policy_layers(None, name, "bppo")),
                       ("critic", k, CriticConfig, critic_layers(None, name))]
+        step_cfg = ecfg  # the policy stage of `qevolve policy --preset` is bppo's: compare with the bppo step
+        if ecfg.policy_step != "bppo":  # set by the preset's per-environment block, a documented difference
+            assert f"envs.{env}" in origin[("policy_step",)], (env, origin[("policy_step",)])
+            step_cfg = ecfg.replace(policy_step="bppo")
         for stage, k, cls, layers in cases:
             mine = resolve_layers(cls, layers)
-            theirs, where = ecfg.stage(stage, k), ecfg.stage_origin(stage, k, origin)
+            c = step_cfg if stage == "policy" else ecfg
+            theirs, where = c.stage(stage, k), c.stage_origin(stage, k, origin)
             for f, value, layer in mine.rows():
                 if not layer.startswith(f"preset {scale}"):
                     continue
@@ -157,10 +164,13 @@ def test_scale_preset_means_the_same_numbers_for_stage_commands_and_evolve(scale
 
 
 def test_cpu_preset_keeps_the_measured_learning_check_values():
-    """docs/learning_check.md: lamps under --preset cpu trains BPPO at 1e-4 then 5e-5 and the critic 6 epochs;
-    the same preset without an environment (qevolve policy --preset cpu --objective bppo) is the generic 2e-4."""
-    cfg = resolve("lamps", "cpu")
+    """docs/learning_check.md: lamps under --preset cpu --policy-step bppo trains BPPO at 1e-4 then 5e-5 and the
+    critic 6 epochs; the preset's own step there is awr (docs/compare.md), with the bc stage's lr; the same
+    preset without an environment (qevolve policy --preset cpu --objective bppo) is the generic 2e-4."""
+    cfg = resolve("lamps", "cpu", overrides={"policy_step": "bppo"})
     assert [cfg.stage("policy", k).lr for k in (1, 2)] == [1e-4, 5e-5]
+    awr = resolve("lamps", "cpu")
+    assert awr.policy_step == "awr" and [awr.stage("policy", k).lr for k in (1, 2)] == [2e-3, 2e-3]
     assert [cfg.stage("critic", k).epochs for k in (1, 2)] == [6, 6]
     assert load_policy_config(preset="cpu", overrides={"objective": "bppo"}).lr == 2e-4
     assert load_policy_config(preset="cpu").lr == cfg.stage("bc", 0).lr == 2e-3
@@ -180,7 +190,8 @@ def test_print_config_names_the_layer_of_every_value():
     text = runner.invoke(app, ["critic", "--preset", "iter2", "--print-config"]).stdout
     assert any(line.split()[:2] == ["lr", "5e-06"] and line.endswith("critic.yaml (preset iter2)")
                for line in text.splitlines()), text
-    ev = runner.invoke(app, ["evolve", "--env", "lamps", "--preset", "cpu", "--print-config", "--json"])
+    ev = runner.invoke(app, ["evolve", "--env", "lamps", "--preset", "cpu", "--policy-step", "bppo", "--print-config",
+                             "--json"])
     assert ev.exit_code == 0, ev.output
     d = json.loads(ev.stdout)
     assert d["config"]["policy (iteration 2)"]["lr"] == 5e-5

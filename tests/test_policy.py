@@ -39,7 +39,7 @@ def make_table(path, n_traj=6, steps=2, with_adv=True):
 
 
 def step_logprobs(model_dir, df) -> list[tuple[str, float]]:
-    """(action, summed log-prob of the action + end of turn) for every step of ``df``, computed
+    """(action, summed log-prob of the action + end of turn) for every step of ``df`` (sorted by traj_id, step), computed
     independently of the trainer: prompt via the chat template with a generation prompt, then the
     action text + end-of-turn as the continuation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,10 +47,10 @@ def step_logprobs(model_dir, df) -> list[tuple[str, float]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out: list[tuple[str, float]] = []
-    for (_tid,), g in df.sort("step").group_by("traj_id", maintain_order=True):
+    for (_tid,), g in df.sort("traj_id", "step").group_by("traj_id", maintain_order=True):
         obs, acts = g["observation"].to_list(), g["action"].to_list()
         for t in range(g.height):
-            msgs = build_messages(instruction_prompt("textcraft"), g["instruction"][0], obs[: t + 1], acts[:t])
+            msgs = build_messages(instruction_prompt(g["env"][0]), g["instruction"][0], obs[: t + 1], acts[:t])
             prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
             c_ids = tok(acts[t] + tok.eos_token, add_special_tokens=False)["input_ids"]
@@ -308,3 +308,40 @@ def test_checkpoint_every_steps_presets_and_validation():
         assert load_policy_config(preset=preset).checkpoint_every_steps == 500, preset
     with pytest.raises(ConfigError, match="checkpoint_every_steps"):
         load_policy_config(overrides={"checkpoint_every_steps": -1})
+
+
+def test_policy_step_on_exact_oracle_advantages_does_not_collapse(tiny_model_dir, tmp_path):
+    """An accurate critic's advantages are all <= 0 (V* + GAE: the optimal steps 0, the wasted ones < 0). The
+    policy step as labelled (normalize_advantage off) can only push actions down: the optimal actions lose
+    probability too (the collapse of docs/compare.md, 'Oracle diagnosis'). The shipped steps standardise the
+    advantages first, so the optimal actions (above the mean) gain: BPPO (the paper's step) and AWR (the cpu
+    preset's policy_step on lamps)."""
+    from qevolve_cli.labeling import LabelConfig, label_frame
+    from qevolve_cli.policy import PolicyConfig, train_policy
+    from tests.test_oracle import replay_table
+
+    tid = "lamps-hard:kitchen:bedroom+hallway+bathroom"
+    plan = ["go east", "turn on lamp", "go east", "go east", "turn on lamp", "go west", "turn on lamp"]
+    trajs = [plan, ["go west", *plan], ["turn on lamp", "go west", *plan], ["go west", "go west", "go west", "go east"]]
+    df = pl.concat([replay_table(tid, c).with_columns(pl.lit(f"t{i}").alias("traj_id")) for i, c in enumerate(trajs)])
+    lab, _ = label_frame(df, LabelConfig(value_source="oracle", retrospective=False))
+    lab = lab.sort("traj_id", "step")
+    adv = lab["advantage"].to_numpy()
+    assert adv.max() <= 1e-6 and adv.min() < -0.1  # every advantage <= 0: nothing to raise as labelled
+    optimal = adv > -1e-6  # A* = 0: the optimal plan's steps (and t3's last, hopeless one: V* = 0 before and after)
+    assert 10 < optimal.sum() < len(adv)
+    write_table(lab, tmp_path / "adv.parquet")
+
+    def optimal_logp(model_dir) -> float:
+        lp = [s for _a, s in step_logprobs(model_dir, lab)]
+        return sum(x for x, o in zip(lp, optimal) if o) / optimal.sum()
+
+    before = optimal_logp(tiny_model_dir)
+    after = {}
+    for name, obj, norm in (("raw", "bppo", False), ("bppo", "bppo", True), ("awr", "awr", True)):
+        cfg = PolicyConfig(objective=obj, lr=2e-3, epochs=3, micro_batch_size=2, warmup_ratio=0.0, eps_low=0.8,
+                           normalize_advantage=norm, old_refresh_steps=2, seed=0)
+        train_policy(cfg, tmp_path / "adv.parquet", tiny_model_dir, tmp_path / name, quiet=True)
+        after[name] = optimal_logp(tmp_path / name)
+    assert after["raw"] < before - 0.5, (before, after)  # as labelled: the optimal actions are pushed down too
+    assert after["bppo"] > before + 0.5 and after["awr"] > before + 0.5, (before, after)

@@ -111,6 +111,11 @@ class CompareConfig(ConfigBase):
         return PolicyConfig.from_dict(d, source="compare config: eto")
 
 
+def step_note(ecfg) -> str:
+    """``, AWR step`` in the Q-Evolve rows' names of a run whose policy step is not the paper's BPPO."""
+    return f", {ecfg.policy_step.upper()} step" if ecfg.policy_step != "bppo" else ""
+
+
 def eto_pairs(d_cfg, data: list[str]) -> dict[str, int]:
     """The preference pairs ETO's DPO step would train on (``{"pairs", "tie", "no_anchor"}``), read without
     training: when every self trajectory ties with its anchor there is nothing to contrast."""
@@ -375,7 +380,7 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             for k, res in sorted(earlier.items()):
                 qsel = selections.get("qevolve_iterations")
                 rows.append({
-                    "arm": f"qevolve_iter{k}", "method": f"{ARM_NAMES['qevolve']} (iter {k})", "oracle": False,
+                    "arm": f"qevolve_iter{k}", "method": f"{ARM_NAMES['qevolve']} (iter {k}{step_note(ecfg)})", "oracle": False,
                     "expert_steps": expert_steps, "self_play_steps": sum(rollout_steps.get(j, 0) for j in range(1, k + 1)),
                     "eval_steps": int(sum(int(m.get("env_steps", 0)) for m in res.values())),
                     "scores": {f"{ecfg.env}/{split}": {"avg_reward": m.get("avg_reward"),
@@ -386,8 +391,11 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
                                                                    for j in range(1, k + 1)] if b],
                     "selection": qsel[:k] if qsel else None})
         name = ARM_NAMES[arm] + (f" (N={ccfg.best_of}, oracle)" if arm == "best_of_n" else "")
+        step = step_note(ecfg)
         if arm == "qevolve":
-            name += f" (iter {k_last})"
+            name += f" (iter {k_last}{step})"
+        elif arm == "qevolve_oracle_v" and step:
+            name = f"Q-Evolve (oracle V{step})"
         row: dict[str, Any] = {"arm": arm, "method": name, "oracle": arm in ("best_of_n", "qevolve_oracle_v"),
                                "expert_steps": expert_steps, "self_play_steps": self_steps[arm],
                                "eval_steps": int(sum(int(m.get("env_steps", 0)) for m in results[arm].values())),

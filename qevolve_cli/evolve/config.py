@@ -126,6 +126,8 @@ class EvolveConfig(ConfigBase):
             for section in STAGE_SECTIONS:
                 try:
                     self.stage(section, k)
+                    if section == "policy" and self.policy_step != "bppo":  # what awr ignores is still checked
+                        self.stage(section, k, policy_step="bppo")
                 except ConfigError as e:
                     err = ConfigError(source, None, f"{section} (iteration {k}): {e}")
                     err.stage = (section, k, e)  # resolve_with_origin names the layer that set the field
@@ -172,11 +174,12 @@ class EvolveConfig(ConfigBase):
                 out[f.name] = default_layer_name(type(cfg))
         return out
 
-    def stage(self, name: str, iteration: int = 1):
-        """The validated stage config of ``name`` for ``iteration``. Under ``policy_step: awr`` the policy stage is
-        the bc stage's config with objective awr and the :data:`AWR_FIELDS` of the policy sections."""
+    def stage(self, name: str, iteration: int = 1, policy_step: str | None = None):
+        """The validated stage config of ``name`` for ``iteration``. Under ``policy_step: awr`` (the run's, or the
+        argument's) the policy stage is the bc stage's config with objective awr and the :data:`AWR_FIELDS` of the
+        policy sections."""
         d = self.section(name, iteration)
-        if name == "policy" and self.policy_step == "awr":
+        if name == "policy" and (policy_step or self.policy_step) == "awr":
             d = {**self.section("bc", 0), **{k: v for k, v in d.items() if k in AWR_FIELDS}, "objective": "awr"}
         if self.precision != "auto":  # one switch for every stage
             if name in ("bc", "policy"):

@@ -334,7 +334,7 @@ def test_policy_step_on_exact_oracle_advantages_does_not_collapse(tiny_model_dir
 
     def optimal_logp(model_dir) -> float:
         lp = [s for _a, s in step_logprobs(model_dir, lab)]
-        return sum(x for x, o in zip(lp, optimal) if o) / optimal.sum()
+        return sum(x for x, o in zip(lp, optimal, strict=True) if o) / optimal.sum()
 
     before = optimal_logp(tiny_model_dir)
     after = {}

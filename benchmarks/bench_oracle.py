@@ -45,6 +45,8 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
 
     python benchmarks/bench_oracle.py --runs runs/lh-s0 runs/lh-s1 --arms rft_bc oracle_gae learned
     python benchmarks/bench_oracle.py --runs runs/lh-s* --report-only --markdown   # the table of what exists
+    python benchmarks/bench_oracle.py --runs runs/lh-s* --report-only --markdown --arms awr_full awr_oracle \
+        --refs rft_full learned                                                    # other reference columns
 
 Each arm's work goes to RUN/oracle/<arm>/ and is skipped when its evaluations exist (re-run to resume).
 Prints one JSON object: per run and arm the success rate per split and their mean, and per arm the mean
@@ -371,12 +373,16 @@ def main() -> None:
     ap.add_argument("--splits", nargs="+", default=["test_seen", "test_unseen"])
     ap.add_argument("--report-only", action="store_true", help="Train and evaluate nothing: report what exists.")
     ap.add_argument("--markdown", action="store_true", help="Print a markdown table (after the JSON, on stderr).")
+    ap.add_argument("--refs", nargs="+", default=["rft_bc", "rft_full", "sft"], type=arm_name,
+                    help="Reference arms of the paired differences (columns '− REF'; run like the arms where missing).")
     a = ap.parse_args()
-    per_run = {r.name: run_arms(r, a.arms, a.splits, a.report_only) for r in a.runs}
-    summary = summarise(per_run, a.arms, {r.name: r for r in a.runs}, a.splits)
+    refs = tuple(a.refs)
+    every = list(dict.fromkeys([*a.arms, *refs]))  # a reference arm is run (or read) like the others
+    per_run = {r.name: run_arms(r, every, a.splits, a.report_only) for r in a.runs}
+    summary = summarise(per_run, a.arms, {r.name: r for r in a.runs}, a.splits, refs)
     print(json.dumps({"runs": per_run, "summary": summary}, indent=1))
     if a.markdown:
-        print(markdown(summary, list(per_run)), file=sys.stderr)
+        print(markdown(summary, list(per_run), refs), file=sys.stderr)
 
 
 if __name__ == "__main__":

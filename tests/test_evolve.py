@@ -222,7 +222,7 @@ def test_iteration_overrides_merge_entry_by_entry():
     assert deep_merge(base, over) == {"iterations": [{"critic": {"lr": 1.0, "epochs": 8}}, {"critic": {"lr": 2.0}}],
                                       "bc": {"epochs": 1, "lr": 0.1}}
     # the per-env block of the cpu scale overrides its own entries field by field; the others keep the scale's
-    cfg = resolve("lamps", "cpu", overrides={"iters": 3})
+    cfg = resolve("lamps", "cpu", overrides={"iters": 3, "policy_step": "bppo"})
     assert cfg.stage("critic", 1).epochs == 6 and cfg.stage("critic", 1).lr == 1e-3  # epochs: lamps, lr: scale
     assert cfg.stage("policy", 2).lr == 5e-5 and cfg.stage("critic", 2).ema_lambda == 0.2
     assert cfg.stage("critic", 3).epochs == 16 and cfg.stage("policy", 3).lr == 1e-4  # no lamps entry: scale

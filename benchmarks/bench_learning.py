@@ -141,7 +141,8 @@ def run_seed(env: str, preset: str, seed: int, iters: int, arms: list[str], run:
     from qevolve_cli.rollout.evaluate import run_eval
     from qevolve_cli.rollout.loop import run_rollout
 
-    cfg = resolve(env, preset, overrides={"iters": max(iters, 1), "seed": seed})
+    cfg = resolve(env, preset, overrides={"iters": max(iters, 1), "seed": seed,
+                                           "policy_step": "bppo"})  # its arms continue BC (BPPO, RFT)
     run.mkdir(parents=True, exist_ok=True)
     times: dict = {}
     res: dict = {"seed": seed, "run_dir": str(run), "scores": {}, "critics": {}, "advantages": {},

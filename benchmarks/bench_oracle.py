@@ -195,6 +195,25 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
     return out
 
 
+def bppo_stage(run: Path) -> Path:
+    """The run's iteration-1 BPPO stage config (what the BPPO arms, rft_bc and awr_bc train with): its own
+    ``stages/policy_1.yaml`` when the run's policy step is bppo, else (``policy_step: awr``) the same run's config
+    resolved with ``policy_step: bppo``, written to ``RUN/oracle/policy_1_bppo.yaml``."""
+    import yaml
+
+    from qevolve_cli.config import dump_yaml
+    from qevolve_cli.evolve.config import EvolveConfig
+
+    ecfg = EvolveConfig.from_dict(yaml.safe_load((run / "config.yaml").read_text()), source=run / "config.yaml")
+    if ecfg.policy_step == "bppo":
+        return run / "stages" / "policy_1.yaml"
+    out = run / "oracle" / "policy_1_bppo.yaml"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        dump_yaml(ecfg.replace(policy_step="bppo").stage("policy", 1), out)
+    return out
+
+
 def train(run: Path, full_arm: str, work: Path) -> Path:
     import yaml
 
@@ -204,15 +223,18 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
     policy = work / "policy"
     if (policy / "config.json").exists() or (policy / "adapter_config.json").exists():
         return policy
-    p1 = yaml.safe_load((run / "stages" / "policy_1.yaml").read_text())
-    if arm == "learned" and not over and p1.get("normalize_advantage"):
+    stage1 = bppo_stage(run)
+    p1 = yaml.safe_load(stage1.read_text())
+    own = yaml.safe_load((run / "stages" / "policy_1.yaml").read_text())
+    if arm == "learned" and not over and own.get("objective", "bppo") == "bppo" and p1.get("normalize_advantage"):
         return run / "iter_1" / "policy"  # the run's own Q-Evolve policy (trained with standardised advantages)
+    if arm == "awr_full" and own.get("objective") == "awr":
+        return run / "iter_1" / "policy"  # a run made with policy_step awr: its own iteration-1 policy
     p_over = {k: v for k, v in over.items() if k != "lr_factor"}
     if "lr_factor" in over:
         p_over["lr"] = p1["lr"] * over["lr_factor"]
     if arm == "rft_bc":
-        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", p_over) if p_over else \
-            run / "stages" / "policy_1.yaml"
+        cfg = write_yaml(work / "policy.yaml", stage1, p_over) if p_over else stage1
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)
     elif arm in AWR_FULL_ARMS:
@@ -222,7 +244,7 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
                 "--out", policy)
     elif arm == "awr_bc":
         data = advantage_table(run, arm, work)
-        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": True, **p_over})
+        cfg = write_yaml(work / "policy.yaml", stage1, {"normalize_advantage": True, **p_over})
         qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "bc" / "policy", "--config", cfg,
                 "--out", policy)
     elif arm == "bc_redraw":
@@ -237,7 +259,7 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
         (work.parent / arm).mkdir(parents=True, exist_ok=True)
         data = advantage_table(run, arm, work.parent / arm) if over else advantage_table(run, arm, work)
         norm = arm not in RAW and arm != "oracle_gae_informative"  # informative: standardised above
-        cfg = write_yaml(work / "policy.yaml", run / "stages" / "policy_1.yaml", {"normalize_advantage": norm, **p_over})
+        cfg = write_yaml(work / "policy.yaml", stage1, {"normalize_advantage": norm, **p_over})
         qevolve("policy", "--objective", "bppo", "--data", data, "--model", run / "bc" / "policy", "--ref",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)
     return policy

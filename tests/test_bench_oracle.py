@@ -1,0 +1,46 @@
+"""benchmarks/bench_oracle.py: arm names and the BPPO stage it reads from runs of either policy step."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qevolve_cli.config import dump_yaml
+from qevolve_cli.evolve.config import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_oracle", ROOT / "benchmarks" / "bench_oracle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arm_suffixes(bench):
+    assert bench.split_arm("learned_lr10_ep4_ref25") == ("learned", {"lr_factor": 10.0, "epochs": 4,
+                                                                     "old_refresh_steps": 25})
+    assert bench.split_arm("oracle_gae_clip02_hi4") == ("oracle_gae", {"eps_high": 4.0, "eps_low": 0.2})
+    assert bench.arm_name("rft_bc_lr10") == "rft_bc" + "_lr10"
+    for bad in ("awr_full_lr10", "awr_oracle_ep2", "nope"):  # the AWR-from-base arms take the BC budget as is
+        with pytest.raises(argparse.ArgumentTypeError, match="unknown arm"):
+            bench.arm_name(bad)
+
+
+def test_bppo_stage_of_a_run_made_with_either_policy_step(bench, tmp_path):
+    """A bppo run's BPPO arms train with its own stages/policy_1.yaml; an awr run (the cpu preset on lamps-hard)
+    has an AWR config there, so the BPPO arms get the same run's config resolved with policy_step bppo."""
+    for step in ("bppo", "awr"):
+        run = tmp_path / step
+        cfg = resolve("lamps-hard", "cpu", overrides={"iters": 1, "seed": 3, "policy_step": step})
+        dump_yaml(cfg, run / "config.yaml")
+        dump_yaml(cfg.stage("policy", 1), run / "stages" / "policy_1.yaml")
+        got = bench.bppo_stage(run)
+        assert (got == run / "stages" / "policy_1.yaml") == (step == "bppo")
+        p = yaml.safe_load(got.read_text())
+        assert (p["objective"], p["lr"], p["epochs"], p["eps_low"], p["seed"]) == ("bppo", 1e-4, 2, 0.2, 3)

@@ -6,6 +6,7 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   sft             the run's BC policy, evaluated on the whole splits (the run may have used eval_max_tasks)
   rft_bc          RFT from BC with the iteration's policy budget (the same start and budget as BPPO)
   rft_full        RFT as `qevolve compare` trains it: from the base model with the BC budget
+  bc              BC trained again from the base model exactly as the run's (only with suffixes: bc_ep24)
   bc_redraw       BC trained again from the base model on the expert rows with another seed (seed + 1000):
                   the spread of BC itself, the control of every arm that retrains from the base model
   oracle_gae      V* (the environment's exact solver) + GAE on r_env             (norm)
@@ -39,6 +40,8 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
                   states: nothing the policy does there matters) get A = 0 after standardising (norm)
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
+  <arm>_lrK, _epN  also the arms from the base model (bc, bc_redraw, rft_full, awr_full*, awr_oracle, awr_tab):
+                  the bc stage's lr times K, N epochs (rft_full_ep24: RFT with twice the BC budget)
   <arm>_lrK, _epN, _refN, _hiK  any BPPO arm (and rft_bc, awr_bc) with the policy step's lr times K, N
                   epochs, the old policy refreshed every N optimiser steps, eps_high K (combinable:
                   learned_lr10_ep4_ref25)
@@ -65,12 +68,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
-BASE_ARMS = ("sft", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
+BASE_ARMS = ("sft", "bc", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
              "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "shuffled", "a_one",
              "awr_full", "awr_full_one", "awr_full_shuffled", "awr_bc", "awr_oracle", "awr_tab",
              "oracle_gae_informative")
 AWR_FULL_ARMS = ("awr_full", "awr_full_one", "awr_full_shuffled", "awr_oracle", "awr_tab")
-BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "rft_full", "bc_redraw", "awr_bc", *AWR_FULL_ARMS)]
+FROM_BASE = ("bc", "bc_redraw", "rft_full", *AWR_FULL_ARMS)  # trained from the base model with the bc stage's budget
+BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "awr_bc", *FROM_BASE)]
 ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
 LABEL = {  # arm -> label config overrides over the run's label stage (value source, advantage, fit reward)
     "oracle_gae": {"value_source": "oracle", "advantage": "gae"},
@@ -118,9 +122,11 @@ def split_arm(arm: str) -> tuple[str, dict]:
 def arm_name(name: str) -> str:
     """argparse type: a base arm, or a BPPO arm with suffixes (split_arm)."""
     base, over = split_arm(name)
-    if base not in BASE_ARMS or (over and base not in BPPO_ARMS + ["rft_bc", "awr_bc"]):
+    ok = not over or base in BPPO_ARMS + ["rft_bc", "awr_bc"] or (base in FROM_BASE and set(over) <= {"lr_factor", "epochs"})
+    if base not in BASE_ARMS or base == "bc" and not over or not ok:
         raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms, rft_bc and "
-                                         "awr_bc take the suffixes _clip02, _lrK, _epN, _refN, _hiK)")
+                                         "awr_bc take the suffixes _clip02, _lrK, _epN, _refN, _hiK; the arms from the "
+                                         f"base model ({', '.join(FROM_BASE)}) _lrK and _epN; bc needs one)")
     return name
 
 
@@ -228,18 +234,20 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
     own = yaml.safe_load((run / "stages" / "policy_1.yaml").read_text())
     if arm == "learned" and not over and own.get("objective", "bppo") == "bppo" and p1.get("normalize_advantage"):
         return run / "iter_1" / "policy"  # the run's own Q-Evolve policy (trained with standardised advantages)
-    if arm == "awr_full" and own.get("objective") == "awr":
+    if arm == "awr_full" and not over and own.get("objective") == "awr":
         return run / "iter_1" / "policy"  # a run made with policy_step awr: its own iteration-1 policy
+    bc_yaml = run / "stages" / "bc.yaml"
+    b = yaml.safe_load(bc_yaml.read_text())
     p_over = {k: v for k, v in over.items() if k != "lr_factor"}
-    if "lr_factor" in over:
-        p_over["lr"] = p1["lr"] * over["lr_factor"]
+    if "lr_factor" in over:  # times the lr of the stage the arm trains with: bc's for the arms from the base model
+        p_over["lr"] = (b if arm in FROM_BASE else p1)["lr"] * over["lr_factor"]
     if arm == "rft_bc":
         cfg = write_yaml(work / "policy.yaml", stage1, p_over) if p_over else stage1
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
                 run / "bc" / "policy", "--config", cfg, "--out", policy)
     elif arm in AWR_FULL_ARMS:
         data = advantage_table(run, arm, work)
-        cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"normalize_advantage": True})
+        cfg = write_yaml(work / "policy.yaml", bc_yaml, {"normalize_advantage": True, **p_over})
         qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "base_model", "--config", cfg,
                 "--out", policy)
     elif arm == "awr_bc":
@@ -247,14 +255,15 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
         cfg = write_yaml(work / "policy.yaml", stage1, {"normalize_advantage": True, **p_over})
         qevolve("policy", "--objective", "awr", "--data", data, "--model", run / "bc" / "policy", "--config", cfg,
                 "--out", policy)
-    elif arm == "bc_redraw":
-        b = yaml.safe_load((run / "stages" / "bc.yaml").read_text())
-        cfg = write_yaml(work / "policy.yaml", run / "stages" / "bc.yaml", {"seed": int(b.get("seed", 0)) + 1000})
+    elif arm in ("bc", "bc_redraw"):
+        seed = {"seed": int(b.get("seed", 0)) + 1000} if arm == "bc_redraw" else {}
+        cfg = write_yaml(work / "policy.yaml", bc_yaml, {**seed, **p_over})
         qevolve("policy", "--objective", "bc", "--data", run / "expert.parquet", "--model", run / "base_model",
                 "--config", cfg, "--out", policy)
     elif arm == "rft_full":
+        cfg = write_yaml(work / "policy.yaml", bc_yaml, p_over) if p_over else bc_yaml
         qevolve("policy", "--objective", "rft", "--data", run / "iter_1" / "labeled.parquet", "--model",
-                run / "base_model", "--config", run / "stages" / "bc.yaml", "--out", policy)
+                run / "base_model", "--config", cfg, "--out", policy)
     else:
         (work.parent / arm).mkdir(parents=True, exist_ok=True)
         data = advantage_table(run, arm, work.parent / arm) if over else advantage_table(run, arm, work)

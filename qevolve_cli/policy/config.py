@@ -97,6 +97,12 @@ class PolicyConfig(ConfigBase):
                                                "(0 = epoch ends only); an interrupted run resumes at the next step "
                                                "(docs/evolve.md#what-survives-a-failure).", ge=0)
 
+    @property
+    def uses_advantage(self) -> bool:
+        """bppo and awr train on the table's ``advantage`` column (required, standardised when
+        ``normalize_advantage``); the other objectives ignore it."""
+        return self.objective in ("bppo", "awr")
+
     def validate(self, source: Any = None, prefix: str = "") -> None:
         if self.eps_low >= 1.0 and self.objective == "bppo":
             raise ConfigError(source, prefix + "eps_low", "must be < 1 (the ratio lower bound 1 - eps_low > 0)")

@@ -331,7 +331,7 @@ def read_training_rows(cfg: PolicyConfig, data):
 
     paths = data_paths(data)
     where = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
-    need = ["advantage"] if cfg.objective in ("bppo", "awr") else []
+    need = ["advantage"] if cfg.uses_advantage else []
     df = read_tables(paths, need)
     if cfg.drop_failed:
         df = drop_failed(df)
@@ -365,7 +365,7 @@ def load_policy_table(cfg: PolicyConfig, data):
         info = {**info, "pairs": pairs}
     if df.height == 0:
         raise TableError(where, None, "no trajectories left to train on")
-    if cfg.objective in ("bppo", "awr"):  # read_training_rows required the advantage column
+    if cfg.uses_advantage:  # read_training_rows required the advantage column
         nulls = df.filter(pl.col("advantage").is_null())
         if nulls.height:
             r = nulls.row(0, named=True)

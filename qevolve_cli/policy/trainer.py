@@ -177,7 +177,7 @@ class PolicyData:
 def build_policy_data(cfg: PolicyConfig, df, table_info: dict[str, Any], tok, label: str) -> PolicyData:
     """Tokenise the selected rows (one example per trajectory, those with a target token left after truncation),
     map dpo's trajectory pairs onto example indices and normalise the advantages (``normalize_advantage``)."""
-    examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.objective in ("bppo", "awr"), path=label)
+    examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.uses_advantage, path=label)
     examples = [e for e in examples if e.n_targets > 0]
     if not examples:
         raise TableError(label, "action", "no action tokens left to train on after truncation")
@@ -187,7 +187,7 @@ def build_policy_data(cfg: PolicyConfig, df, table_info: dict[str, Any], tok, la
         pairs = [(pos[c], pos[r]) for c, r in table_info["pairs"] if c in pos and r in pos]
         if not pairs:
             raise TableError(label, "action", "no preference pair left with action tokens after truncation")
-    if cfg.normalize_advantage and cfg.objective in ("bppo", "awr"):
+    if cfg.normalize_advantage and cfg.uses_advantage:
         allv = np.concatenate([e.advantages for e in examples])
         mu, sd = float(allv.mean()), float(allv.std()) + 1e-8
         for e in examples:

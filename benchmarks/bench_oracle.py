@@ -231,11 +231,9 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
         return policy
     stage1 = bppo_stage(run)
     p1 = yaml.safe_load(stage1.read_text())
-    own = yaml.safe_load((run / "stages" / "policy_1.yaml").read_text())
-    if arm == "learned" and not over and own.get("objective", "bppo") == "bppo" and p1.get("normalize_advantage"):
-        return run / "iter_1" / "policy"  # the run's own Q-Evolve policy (trained with standardised advantages)
-    if arm == "awr_full" and not over and own.get("objective") == "awr":
-        return run / "iter_1" / "policy"  # a run made with policy_step awr: its own iteration-1 policy
+    own = yaml.safe_load((run / "stages" / "policy_1.yaml").read_text())  # the run's own step: bppo or awr
+    if not over and (arm, own["objective"]) in (("learned", "bppo"), ("awr_full", "awr")) and own["normalize_advantage"]:
+        return run / "iter_1" / "policy"  # the run's own iteration-1 policy is this arm (standardised advantages)
     bc_yaml = run / "stages" / "bc.yaml"
     b = yaml.safe_load(bc_yaml.read_text())
     p_over = {k: v for k, v in over.items() if k != "lr_factor"}

@@ -6,5 +6,6 @@ Step limits (the paper's "maximum episode length"; TextCraft is our choice):
 WebShop 10, SciWorld 24, ALFWorld 30, TextCraft 40 (expert plans: median 6, max 48 steps).
 """
 MAX_STEPS = {"webshop": 10, "sciworld": 24, "alfworld": 30, "textcraft": 40, "lamps": 16,
-             "lamps-hard": 25}  # lamps, lamps-hard: envs/builtin.py (lamps-hard: each task also has its own budget)
+             "lamps-hard": 25, "lamps-habit": 26}
+# lamps, lamps-hard, lamps-habit: envs/builtin.py (lamps-hard, lamps-habit: each task also has its own budget)
 ENV_NAMES = tuple(MAX_STEPS)

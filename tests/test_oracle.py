@@ -1,4 +1,5 @@
-"""Oracle values (``qevolve label --value-source oracle|tabular_iql``) and the ``lamps-hard`` testbed.
+"""Oracle values (``qevolve label --value-source oracle|tabular_iql``) and the ``lamps-hard`` and
+``lamps-habit`` testbeds.
 
 The exact solver is checked against a breadth-first search over the real environment's own
 ``step`` (deep copies of the env), the oracle value table against a hand-solved task, and the pair
@@ -15,9 +16,14 @@ import polars as pl
 import pytest
 
 from qevolve_cli.envs.builtin import (
+    HABIT_LOOK,
+    HABIT_LOOSE_SLACK,
+    HABIT_TIGHT_SLACK,
     HARD_SLACK,
     ROOMS,
+    budget_of,
     build_splits,
+    habit_plan_of,
     optimal_steps,
     parse_task_id,
     plan_of,
@@ -52,7 +58,7 @@ def bfs_distance(env) -> int:
     raise AssertionError("no solution found")
 
 
-@pytest.mark.parametrize("env_name", ["lamps", "lamps-hard"])
+@pytest.mark.parametrize("env_name", ["lamps", "lamps-hard", "lamps-habit"])
 def test_solver_matches_search_over_the_environment(env_name: str) -> None:
     ids = build_splits(env_name)["train"][:3]
     checked = 0
@@ -86,6 +92,91 @@ def test_lamps_hard_expert_is_optimal_and_budgets_are_tight() -> None:
         env.reset(task_from_id("lamps-hard", tid))
         assert env._episode_max_steps == len(plan_of(start, targets)) + HARD_SLACK
         assert f"in at most {env._episode_max_steps} steps" in env.instruction
+
+
+def play(env_name: str, task_id: str, commands: list[str], with_expert: bool = False) -> tuple[float, int]:
+    """(final reward, steps played) of ``commands`` in a fresh environment, stopping at the episode's end."""
+    env = make_env(env_name)
+    env.reset(task_from_id(env_name, task_id), with_expert=with_expert)
+    r, n = 0.0, 0
+    for c in commands:
+        _obs, r, done, _ = env.step(c)
+        n += 1
+        if done:
+            break
+    return r, n
+
+
+def with_habit(start: str, targets: tuple[str, ...]) -> list[str]:
+    """The optimal plan with a ``look`` after every lamp but the last: the habit, kept every time."""
+    out, lamps = [], 0
+    for c in plan_of(start, targets):
+        out.append(c)
+        lamps += c == "turn on lamp"
+        if c == "turn on lamp" and lamps < len(targets):
+            out.append("look")
+    return out
+
+
+def test_lamps_habit_expert_keeps_the_habit_and_budgets_split_tight_and_loose() -> None:
+    splits = build_splits("lamps-habit")
+    assert {k: len(v) for k, v in splits.items()} == {"train": 2544, "test_seen": 48, "test_unseen": 96}
+    sets = {k: {frozenset(parse_task_id(i, "lamps-habit")[1]) for i in v} for k, v in splits.items()}
+    assert not sets["test_unseen"] & (sets["train"] | sets["test_seen"])
+    slack = {HABIT_TIGHT_SLACK: 0, HABIT_LOOSE_SLACK: 0}
+    looks = opportunities = 0
+    ids = list(splits["train"][:300]) + list(splits["test_seen"]) + list(splits["test_unseen"])
+    for tid in ids:
+        start, targets = parse_task_id(tid, "lamps-habit")
+        plan, expert = plan_of(start, targets), habit_plan_of(start, targets, "lamps-habit")
+        budget = budget_of(start, targets, "lamps-habit")
+        slack[budget - len(plan)] += 1
+        # the expert is the optimal plan with looks after lamps 1 and 2 only
+        assert [c for c in expert if c != "look"] == plan
+        assert all(expert[i - 1] == "turn on lamp" for i, c in enumerate(expert) if c == "look")
+        assert expert[-1] == "turn on lamp"
+        looks += expert.count("look")
+        opportunities += len(targets) - 1
+        # recorded without the budget, every demonstration succeeds; the optimal plan fits every budget
+        assert play("lamps-habit", tid, expert, with_expert=True)[0] == 1.0
+        assert play("lamps-habit", tid, plan)[0] == 1.0
+        env = make_env("lamps-habit")
+        env.reset(task_from_id("lamps-habit", tid))
+        assert env._episode_max_steps == budget and f"in at most {budget} steps" in env.instruction
+        # keeping the habit every time (two looks) passes the loose budgets and fails the tight ones
+        habit = with_habit(start, targets)
+        assert habit.count("look") == 2
+        assert play("lamps-habit", tid, habit)[0] == (1.0 if budget - len(plan) >= 2 else 0.0)
+    # the halves are even, and the expert looks at HABIT_LOOK's rate (a sha1 draw per task and lamp)
+    assert abs(slack[HABIT_TIGHT_SLACK] - slack[HABIT_LOOSE_SLACK]) < 0.15 * len(ids)
+    assert abs(looks / opportunities - HABIT_LOOK) < 0.05
+    # lamps-hard's expert and budgets are unchanged by the habit variant
+    s, t = parse_task_id(splits["train"][0], "lamps-habit")
+    assert habit_plan_of(s, t, "lamps-hard") == plan_of(s, t)
+
+
+def test_lamps_habit_oracle_advantage_of_a_look_is_negative_and_expert_rows_replay() -> None:
+    """The oracle replays a demonstration that overran the task's budget (it was recorded without it), and
+    GAE over V* gives the expert's looks A* < 0 and its other commands A* = 0."""
+    from qevolve_cli.envs.expert import collect_expert
+
+    tid = next(i for i in build_splits("lamps-habit")["train"]
+               if habit_plan_of(*parse_task_id(i, "lamps-habit"), "lamps-habit").count("look") == 2
+               and budget_of(*parse_task_id(i, "lamps-habit"), "lamps-habit")
+               - len(plan_of(*parse_task_id(i, "lamps-habit"))) == HABIT_TIGHT_SLACK)
+    df = collect_expert("lamps-habit", tasks=[task_from_id("lamps-habit", tid, "train")])
+    start, targets = parse_task_id(tid, "lamps-habit")
+    assert df["command"].to_list() == habit_plan_of(start, targets, "lamps-habit")
+    assert len(df) > budget_of(start, targets, "lamps-habit") and df["reward_env"][-1] == 1.0
+    v = oracle_values(df, G)
+    adv = [r + G * nv - vv for r, nv, vv in zip(v["reward_env"], v["next_value"], v["value"], strict=True)]
+    for c, a in zip(df["command"], adv, strict=True):
+        if c == "look":
+            assert a < -0.01
+        else:
+            assert abs(a) < 1e-6
+    # played as a rollout (held to the budget), the same commands run out of steps
+    assert play("lamps-habit", tid, df["command"].to_list()) == (0.0, budget_of(start, targets, "lamps-habit"))
 
 
 def test_lamps_hard_lights_targets_in_order_only() -> None:

@@ -64,7 +64,7 @@ def test_cut_at_stop(text, want):
         assert react.parse_action_py(got) == want.rsplit("Action:", 1)[1].strip()
 
 
-@pytest.mark.parametrize("env", ["lamps", "lamps-hard"])
+@pytest.mark.parametrize("env", ["lamps", "lamps-hard", "lamps-habit"])
 def test_builtin_examples_replay_in_the_environment(env):
     """The example is a train task, solved: every observation is what the environment answers."""
     ex = EXAMPLES[env]

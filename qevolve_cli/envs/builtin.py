@@ -50,7 +50,20 @@ critic can credit. Tasks: ``lamps-hard:<start>:<t1>+<t2>+<t3>``; ``test_unseen``
 :data:`HARD_UNSEEN_SETS` held-out target sets, ``test_seen`` = :data:`HARD_N_SEEN` tasks of the
 other sets, ``train`` the rest.
 
-Both variants are solvable exactly (:func:`optimal_steps`): the oracle value source of ``qevolve
+``lamps-habit`` (:data:`HABIT`) is the testbed where imitation cannot reach the goal
+(docs/environments.md): lamps-hard's tasks (three ordered targets, a stated step budget), but the
+demonstrations come from a *hesitant* expert: after each lamp it turns on, with more to go, it stops to
+``look`` with probability :data:`HABIT_LOOK` (decided per task and lamp by sha1, so nothing in the
+observation predicts it) before walking on; the look costs a step and tells nothing new. Each task's
+budget is the optimal plan plus :data:`HABIT_TIGHT_SLACK` steps or, for a fixed sha1 half of the tasks,
+plus :data:`HABIT_LOOSE_SLACK`; the demonstrations were recorded without the budget. A policy that
+keeps the habit (two looks per task) passes the loose half and fails the tight half, so a converged
+behaviour clone succeeds on about half the tasks. Its successful rollouts mostly keep the habit too
+(on the loose half it costs nothing), so filtering by success (RFT) keeps imitating it, while every
+trajectory shows a step-level critic that a look costs a step (the exact ``A*`` of a look is < 0, of
+the optimal command 0). Tasks: ``lamps-habit:<start>:<t1>+<t2>+<t3>``, split as lamps-hard's.
+
+All three variants are solvable exactly (:func:`optimal_steps`): the oracle value source of ``qevolve
 label --value-source oracle`` (``qevolve_cli/envs/oracle.py``).
 """
 from __future__ import annotations
@@ -73,6 +86,10 @@ HARD_SLACK = 2
 """lamps-hard: steps allowed beyond the expert's plan."""
 HARD_UNSEEN_SETS = 2
 HARD_N_SEEN = 48
+HABIT_LOOK = 0.7
+"""lamps-habit: the expert's chance of a ``look`` after a lamp it turns on, with more to go."""
+HABIT_TIGHT_SLACK = 1
+HABIT_LOOSE_SLACK = 3
 
 
 @dataclass(frozen=True)
@@ -86,11 +103,15 @@ class Variant:
     n_unseen_sets: int
     n_seen: int | float          # a count, or a fraction of the seen-set tasks
     max_steps: int
+    loose_slack: int | None = None   # the budget of a sha1 half of the tasks (None: every task has ``slack``)
+    habit: float = 0.0               # the expert's chance of a ``look`` after each lamp but the last
 
 
 LAMPS = Variant("lamps", (1, 2), None, False, N_UNSEEN_SETS, 0.10, DEFAULT_MAX_STEPS)
 HARD = Variant("lamps-hard", (3,), HARD_SLACK, True, HARD_UNSEEN_SETS, HARD_N_SEEN, 25)  # budgets: 7-25, mean 13.6
-VARIANTS = {v.name: v for v in (LAMPS, HARD)}
+HABIT = Variant("lamps-habit", (3,), HABIT_TIGHT_SLACK, True, HARD_UNSEEN_SETS, HARD_N_SEEN, 26,
+                loose_slack=HABIT_LOOSE_SLACK, habit=HABIT_LOOK)  # budgets: 6-26
+VARIANTS = {v.name: v for v in (LAMPS, HARD, HABIT)}
 
 
 def _h(s: str) -> int:
@@ -126,10 +147,30 @@ def plan_of(start: str, targets: tuple[str, ...] | list[str]) -> list[str]:
     return plan
 
 
+def habit_plan_of(start: str, targets: tuple[str, ...] | list[str], env: str) -> list[str]:
+    """The expert's commands of ``env``: :func:`plan_of`, with a ``look`` after each lamp but the last
+    where the task's sha1 draw for that lamp falls under the variant's ``habit`` (lamps-habit)."""
+    plan, p = plan_of(start, targets), VARIANTS[env].habit
+    if not p:
+        return plan
+    out, lamp, tid = [], 0, task_id_of(start, targets, env)
+    for cmd in plan:
+        out.append(cmd)
+        if cmd == "turn on lamp":
+            lamp += 1
+            if lamp < len(targets) and _h(f"habit:{tid}:{lamp}") % 1000 < p * 1000:
+                out.append("look")
+    return out
+
+
 def budget_of(start: str, targets: tuple[str, ...] | list[str], env: str = "lamps") -> int | None:
-    """The task's step budget (None: the environment's step limit only)."""
+    """The task's step budget (None: the environment's step limit only): the optimal plan's length plus
+    the variant's slack (its ``loose_slack`` for the sha1 half of the tasks that has one)."""
     v = VARIANTS[env]
-    return None if v.slack is None else len(plan_of(start, targets)) + v.slack
+    if v.slack is None:
+        return None
+    loose = v.loose_slack is not None and _h("slack:" + task_id_of(start, targets, env)) % 2 == 1
+    return len(plan_of(start, targets)) + (v.loose_slack if loose else v.slack)
 
 
 def instruction_of(targets: tuple[str, ...] | list[str], budget: int | None = None) -> str:
@@ -244,7 +285,9 @@ class LampsEnv(Env):
         self.start, self.room, self.targets = start, start, targets
         self.lamps = {r: False for r in ROOMS}
         budget = budget_of(start, targets, self.name)
-        if budget is not None:  # the task's own budget, when tighter than the episode's limit
+        # the task's own budget, when tighter than the episode's limit (lamps-habit's demonstrations were
+        # recorded without it: the expert's episodes are held to the expert's step limit only)
+        if budget is not None and not (with_expert and VARIANTS[self.name].habit):
             self._episode_max_steps = min(self._episode_max_steps, budget)
         return instruction_of(targets, budget), f"{self._here()} {self._hint()}"
 
@@ -294,7 +337,7 @@ class LampsEnv(Env):
         return f"{NOTHING} Unknown command.", 0.0, False
 
     def _expert_plan(self) -> list[str]:
-        return plan_of(self.start, self.targets)
+        return habit_plan_of(self.start, self.targets, self.name)
 
 
 class LampsHardEnv(LampsEnv):
@@ -302,3 +345,10 @@ class LampsHardEnv(LampsEnv):
 
     name = "lamps-hard"
     default_max_steps = HARD.max_steps
+
+
+class LampsHabitEnv(LampsEnv):
+    """``lamps-habit``: lamps-hard's tasks, a hesitant expert and tight or loose budgets (module docstring)."""
+
+    name = "lamps-habit"
+    default_max_steps = HABIT.max_steps

@@ -6,7 +6,7 @@ style) since the paper does not evaluate it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ALFWORLD = """Interact with a household to solve a task. Imagine you are an intelligent agent in a household environment and your target is to perform actions to complete the task goal. At the beginning of your interactions, you will be given the detailed description of the current environment and your goal to accomplish.
 For each of your turns, you will be given the observation from the last turn. You should first think about the current condition and plan your future actions, and then output your action in this turn. Your output must strictly follow this format:
@@ -107,7 +107,7 @@ LAMPS_HARD = LAMPS.replace(
     "Your task names the rooms whose lamps you must turn on, in order, and the most steps you may take: "
     "every step counts, a wrong way costs two.")
 
-BUILTIN_PROMPTS = {"lamps": LAMPS, "lamps-hard": LAMPS_HARD}
+BUILTIN_PROMPTS = {"lamps": LAMPS, "lamps-hard": LAMPS_HARD, "lamps-habit": LAMPS_HARD}
 
 
 def instruction_prompt(env: str) -> str:
@@ -276,7 +276,11 @@ WEBSHOP_EXAMPLE = Example(
     final="Thank you for shopping with us! [SEP] Your code: [SEP] None [SEP] Your score (min 0.0, max 1.0) [SEP] 1.0",
 )
 
-EXAMPLES = {"lamps": LAMPS_EXAMPLE, "lamps-hard": LAMPS_HARD_EXAMPLE, "textcraft": TEXTCRAFT_EXAMPLE,
+LAMPS_HABIT_EXAMPLE = replace(
+    LAMPS_HARD_EXAMPLE, task_id="lamps-habit:workshop:hallway+bathroom+greenhouse",
+    instruction=LAMPS_HARD_EXAMPLE.instruction.replace("10 steps", "9 steps"))  # its tight budget
+
+EXAMPLES = {"lamps": LAMPS_EXAMPLE, "lamps-hard": LAMPS_HARD_EXAMPLE, "lamps-habit": LAMPS_HABIT_EXAMPLE, "textcraft": TEXTCRAFT_EXAMPLE,
             "alfworld": ALFWORLD_EXAMPLE, "sciworld": SCIWORLD_EXAMPLE, "webshop": WEBSHOP_EXAMPLE}
 EXAMPLE_INTRO = "Here is an example."
 

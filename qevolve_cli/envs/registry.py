@@ -20,6 +20,7 @@ _CLASSES = {
     "webshop": ("qevolve_cli.envs.webshop", "WebShopEnv"),
     "lamps": ("qevolve_cli.envs.builtin", "LampsEnv"),
     "lamps-hard": ("qevolve_cli.envs.builtin", "LampsHardEnv"),
+    "lamps-habit": ("qevolve_cli.envs.builtin", "LampsHabitEnv"),
 }
 
 

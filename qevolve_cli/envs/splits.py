@@ -35,6 +35,7 @@ SPLITS_BY_ENV = {
     "textcraft": ("train", "test_seen", "test_unseen"),
     "lamps": ("train", "test_seen", "test_unseen"),  # built in: envs/builtin.py
     "lamps-hard": ("train", "test_seen", "test_unseen"),
+    "lamps-habit": ("train", "test_seen", "test_unseen"),
 }
 SPLIT_LOG_ENV = "QEVOLVE_SPLIT_LOG"
 """When set to a file path, every :func:`list_tasks` call appends ``<stage>\t<env>\t<split>`` to that file (the
@@ -87,7 +88,7 @@ def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
     elif env == "webshop":
         ids = list(dict.fromkeys(_load("webshop", _WEBSHOP_FILES[split])))  # train lists one id twice
         tasks = [Task("webshop", f"webshop:{int(i)}", split, None, {"session": int(i)}) for i in ids]
-    elif env in ("lamps", "lamps-hard"):
+    elif env in ("lamps", "lamps-hard", "lamps-habit"):
         from qevolve_cli.envs.builtin import list_lamps_tasks
 
         tasks = list_lamps_tasks(split, env)
@@ -110,7 +111,7 @@ def task_from_id(env: str, task_id: str, split: str = "") -> Task:
         return Task(env, f"webshop:{body}", split, None, {"session": int(body) if body.isdigit() else body})
     if env == "textcraft":
         return Task(env, f"textcraft:{body}", split, body.split("_")[-1], {"goal": body})
-    if env in ("lamps", "lamps-hard"):
+    if env in ("lamps", "lamps-hard", "lamps-habit"):
         from qevolve_cli.envs.builtin import make_task
 
         try:

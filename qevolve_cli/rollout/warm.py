@@ -28,6 +28,7 @@ COMMANDS = {
     "webshop": ["search[shirt]", "click[back to search]"],
     "lamps": ["go east", "go west", "turn on lamp", "go east", "turn on lamp"],
     "lamps-hard": ["go east", "go west", "turn on lamp", "go east", "turn on lamp"],
+    "lamps-habit": ["go east", "go west", "turn on lamp", "look", "go east", "turn on lamp"],
 }
 
 

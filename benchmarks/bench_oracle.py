@@ -42,6 +42,7 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
   <arm>_lrK, _epN  also the arms from the base model (bc, bc_redraw, rft_full, awr_full*, awr_oracle, awr_tab):
                   the bc stage's lr times K, N epochs (rft_full_ep24: RFT with twice the BC budget)
+  <arm>_betaK     any AWR arm (awr_full*, awr_oracle, awr_tab, awr_bc) with awr_beta K: weights exp(A / K)
   <arm>_lrK, _epN, _refN, _hiK  any BPPO arm (and rft_bc, awr_bc) with the policy step's lr times K, N
                   epochs, the old policy refreshed every N optimiser steps, eps_high K (combinable:
                   learned_lr10_ep4_ref25)
@@ -96,12 +97,13 @@ RETRAINED_CRITIC = {  # arm -> (critic config overrides, backbone inside the run
 }
 
 
-SUFFIX = re.compile(r"_(clip02|lr[0-9.]+|ep[0-9]+|ref[0-9]+|hi[0-9.]+)$")
+SUFFIX = re.compile(r"_(clip02|lr[0-9.]+|ep[0-9]+|ref[0-9]+|hi[0-9.]+|beta[0-9.]+)$")
 
 
 def split_arm(arm: str) -> tuple[str, dict]:
     """(base arm, policy overrides) of a BPPO arm with suffixes: ``_clip02`` eps_low 0.2, ``_lrK`` the lr times K,
-    ``_epN`` N epochs, ``_refN`` the old policy refreshed every N optimiser steps, ``_hiK`` eps_high K (``learned_lr10_ref25``)."""
+    ``_epN`` N epochs, ``_refN`` the old policy refreshed every N optimiser steps, ``_hiK`` eps_high K (``learned_lr10_ref25``),
+    ``_betaK`` awr_beta K (the AWR arms)."""
     over: dict = {}
     while (m := SUFFIX.search(arm)) and arm[: m.start()]:
         tok = m.group(1)
@@ -113,6 +115,8 @@ def split_arm(arm: str) -> tuple[str, dict]:
             over["epochs"] = int(tok[2:])
         elif tok.startswith("hi"):
             over["eps_high"] = float(tok[2:])
+        elif tok.startswith("beta"):
+            over["awr_beta"] = float(tok[4:])
         else:
             over["old_refresh_steps"] = int(tok[3:])
         arm = arm[: m.start()]
@@ -122,11 +126,14 @@ def split_arm(arm: str) -> tuple[str, dict]:
 def arm_name(name: str) -> str:
     """argparse type: a base arm, or a BPPO arm with suffixes (split_arm)."""
     base, over = split_arm(name)
-    ok = not over or base in BPPO_ARMS + ["rft_bc", "awr_bc"] or (base in FROM_BASE and set(over) <= {"lr_factor", "epochs"})
+    awr = base in (*AWR_FULL_ARMS, "awr_bc")
+    ok = ((not over or base in BPPO_ARMS + ["rft_bc", "awr_bc"] or (base in FROM_BASE and set(over) <= {"lr_factor", "epochs", "awr_beta"}))
+          and ("awr_beta" not in over or awr))
     if base not in BASE_ARMS or base == "bc" and not over or not ok:
         raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms, rft_bc and "
                                          "awr_bc take the suffixes _clip02, _lrK, _epN, _refN, _hiK; the arms from the "
-                                         f"base model ({', '.join(FROM_BASE)}) _lrK and _epN; bc needs one)")
+                                         f"base model ({', '.join(FROM_BASE)}) _lrK and _epN; the AWR arms _betaK; "
+                                         "bc needs one)")
     return name
 
 
@@ -272,12 +279,31 @@ def train(run: Path, full_arm: str, work: Path) -> Path:
     return policy
 
 
+VALIDATION = "validation"
+"""The pseudo-split of ``--splits validation``: the run's validation tasks, the last ``validation_tasks`` train
+tasks (what ``--select-on-validation`` plays; never a test split), to choose between arms without the test splits."""
+
+
+def validation_metrics(run: Path, policy: Path, out: Path) -> dict:
+    """Greedy play of ``policy`` on the run's validation tasks, as evolve's selection plays them."""
+    from qevolve_cli.config import load_config
+    from qevolve_cli.evolve.config import EvolveConfig
+    from qevolve_cli.evolve.loop import validation_config, validation_of
+    from qevolve_cli.rollout.evaluate import run_eval
+
+    cfg = load_config(EvolveConfig, run / "config.yaml")
+    tasks, _disjoint = validation_of(cfg)
+    return run_eval(validation_config(cfg, 1), policy, out, resume=True, tasks=tasks)
+
+
 def evaluate(run: Path, env: str, policy: Path, work: Path, splits: list[str]) -> dict:
     scores = {}
     for split in splits:
         out = work / f"eval_{split}.parquet"
         js = work / f"eval_{split}.json"
-        if not js.exists():
+        if not js.exists() and split == VALIDATION:
+            js.write_text(json.dumps(validation_metrics(run, policy, out)))
+        elif not js.exists():
             res = qevolve("eval", "--env", env, "--policy", policy, "--split", split, "--config",
                           run / "stages" / "rollout_1.yaml", "--max-tasks", "0", "--out", out, "--json")
             js.write_text(res)
@@ -399,7 +425,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=Path, nargs="+", required=True, help="Run directories of evolve --iters 1.")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), type=arm_name)
-    ap.add_argument("--splits", nargs="+", default=["test_seen", "test_unseen"])
+    ap.add_argument("--splits", nargs="+", default=["test_seen", "test_unseen"],
+                    help="Held-out splits to evaluate on, or 'validation': the run's validation tasks (the last "
+                         "validation_tasks train tasks), to choose between arms without reading a test split.")
     ap.add_argument("--report-only", action="store_true", help="Train and evaluate nothing: report what exists.")
     ap.add_argument("--markdown", action="store_true", help="Print a markdown table (after the JSON, on stderr).")
     ap.add_argument("--refs", nargs="+", default=["rft_bc", "rft_full", "sft"], type=arm_name,

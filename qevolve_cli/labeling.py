@@ -41,7 +41,7 @@ class LabelConfig(ConfigBase):
     value_source: str = field(
         "critic",
         help="Where value/next_value come from: critic (--critic DIR, or the input's columns), oracle (the "
-        "environment's exact solver: V* = gamma^(d-1), lamps and lamps-hard), tabular_iql (exact weighted IQL "
+        "environment's exact solver: V* = gamma^(d-1), lamps, lamps-hard, lamps-habit), tabular_iql (exact weighted IQL "
         "on the table's own transitions with the solver's states: a perfect critic's values).",
         choices=("critic", "oracle", "tabular_iql"),
     )

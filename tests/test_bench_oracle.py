@@ -26,10 +26,12 @@ def test_arm_suffixes(bench):
     assert bench.split_arm("learned_lr10_ep4_ref25") == ("learned", {"lr_factor": 10.0, "epochs": 4,
                                                                      "old_refresh_steps": 25})
     assert bench.split_arm("oracle_gae_clip02_hi4") == ("oracle_gae", {"eps_high": 4.0, "eps_low": 0.2})
-    for good in ("rft_bc_lr10", "bc_ep24", "rft_full_ep24", "awr_full_lr0.5_ep6"):
+    assert bench.split_arm("awr_oracle_beta0.25_ep12") == ("awr_oracle", {"epochs": 12, "awr_beta": 0.25})
+    for good in ("rft_bc_lr10", "bc_ep24", "rft_full_ep24", "awr_full_lr0.5_ep6", "awr_oracle_beta0.25", "awr_bc_beta2"):
         assert bench.arm_name(good) == good
-    # the arms from the base model scale the bc budget only (no clip, no old policy); bc alone is sft
-    for bad in ("awr_full_clip02", "rft_full_ref25", "bc", "nope"):
+    # the arms from the base model scale the bc budget only (no clip, no old policy); bc alone is sft;
+    # only the AWR arms have a temperature
+    for bad in ("awr_full_clip02", "rft_full_ref25", "bc", "nope", "rft_full_beta0.5", "learned_beta0.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="unknown arm"):
             bench.arm_name(bad)
 

@@ -163,6 +163,28 @@ def test_mean_se_hand_computed_and_against_statistics():
     assert m == pytest.approx(statistics.fmean(xs)) and se == pytest.approx(statistics.stdev(xs) / 2)
 
 
+def test_budget_of_and_text_name_each_step_and_its_temperature(tmp_path):
+    """The budget column: epochs x lr x data per stage, a DPO step's beta and NLL weight, an AWR step's beta."""
+    from qevolve_cli.evolve.compare_table import budget_of, budget_text
+
+    def policy(name: str, cfg: dict, summary: dict) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(json.dumps(cfg))  # YAML reads JSON
+        (d / "train_summary.json").write_text(json.dumps(summary))
+        return d
+
+    bc = policy("bc", {"objective": "bc", "epochs": 24, "lr": 2e-3}, {"trajectories": 64})
+    awr = policy("awr", {"objective": "awr", "epochs": 24, "lr": 2e-3, "awr_beta": 0.25}, {"trajectories": 214})
+    dpo = policy("dpo", {"objective": "dpo", "epochs": 2, "lr": 1e-4, "dpo_beta": 0.5, "dpo_nll_weight": 1.0},
+                 {"dpo_pairs": 40})
+    rows = [budget_of(bc, "BC"), budget_of(awr, "it 1"), budget_of(dpo, "ETO")]
+    assert rows[1]["awr_beta"] == 0.25 and "awr_beta" not in rows[0]
+    assert budget_text(rows) == ("BC 24 ep x 2e-03 x 64 traj; it 1 24 ep x 2e-03 x 214 traj (AWR beta 0.25); "
+                                 "ETO 2 ep x 1e-04 x 40 pairs (beta 0.5, nll 1)")
+    assert budget_of(tmp_path / "missing", "BC") is None
+
+
 def test_compare_eto_without_preference_pairs_is_the_sft_policy(run, compared, tmp_path):
     """Every self trajectory ties with its task's expert (or has none): ETO has no pair to contrast, so its row
     is the SFT policy with a note instead of a failed comparison (a real case: a BC policy that solves all

@@ -42,6 +42,8 @@ def test_candidates_tags_and_scaling():
     assert S.apply_candidate(base, {"epochs": 0.1}).epochs == 1  # at least one epoch
     assert S.setting_of(c) == {"objective": "dpo", "epochs": 2, "lr": c.lr, "dpo_beta": c.dpo_beta,
                                "dpo_nll_weight": 0.0}
+    awr = S.apply_candidate(PolicyConfig(objective="awr", lr=2e-3, epochs=24, awr_beta=1.0), {"awr_beta": 0.25})
+    assert S.setting_of(awr) == {"objective": "awr", "epochs": 24, "lr": 2e-3, "awr_beta": 0.25}
     for bad, needle in (([], "no candidate"), ([{"warmup_ratio": 2}], "cannot be scaled"),
                         ([{"lr": 0}], "must be a number > 0"), ([{}, {}], "listed twice")):
         with pytest.raises(ConfigError, match=needle):

@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         max_length: Annotated[int | None, typer.Option("--max-length", help="Token budget for prefix indexing.")] = None,
         value_source: Annotated[str | None, typer.Option(
             "--value-source", help="value/next_value from: critic (default; --critic), oracle (exact V* of the "
-                                   "env's solver: lamps, lamps-hard), tabular_iql (exact IQL on the table).")] = None,
+                                   "env's solver: lamps, lamps-hard, lamps-habit), tabular_iql (exact IQL on the table).")] = None,
         print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,

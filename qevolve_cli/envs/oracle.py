@@ -79,7 +79,7 @@ def replay(df: pl.DataFrame, source: Any = None, max_steps: int | None = None) -
             limit = EXPERT_MAX_STEPS if src == "expert" else (max_steps or MAX_STEPS[name])
             env = env_objs.get((name, limit)) or env_objs.setdefault((name, limit), make_env(name, max_steps=limit))
             try:
-                # an expert episode as it was recorded (lamps-habit's ignore the task's budget)
+                # every episode as it was recorded (an expert one with the expert's plan at hand)
                 env.reset(task_from_id(name, task_id), with_expert=src == "expert")
             except QevolveError as e:
                 raise TableError(source, "task_id", f"trajectory {traj!r}: {e}") from None

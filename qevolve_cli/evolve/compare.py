@@ -12,7 +12,7 @@ rollouts, its base model and BC policy, its evaluation settings) the arms are:
 * **Best-of-N** = the BC policy, N sampled trajectories per task, the best by
   final env reward (an oracle upper bound, QLASS's rule);
 * **Q-Evolve** = the run's last evaluated iteration;
-* **Q-Evolve (oracle V)** (environments with an exact solver: lamps, lamps-hard) = the iteration-1
+* **Q-Evolve (oracle V)** (environments with an exact solver: lamps, lamps-hard, lamps-habit) = the iteration-1
   policy step (the run's own: BPPO from the BC policy, or under ``policy_step: awr`` AWR from the base
   model; the run's ``policy_1`` config) on the iteration-1 labels
   with the *exact* optimal values ``V*`` in place of the learned critic's (``label --value-source

@@ -78,16 +78,21 @@ def budget_of(policy: Path, stage: str) -> dict[str, Any] | None:
                  dpo_nll_weight=c.get("dpo_nll_weight", 0.0))
     else:
         b.update(data=m.get("trajectories"), unit="traj")
+        if c.get("objective") == "awr":
+            b["awr_beta"] = c.get("awr_beta")
     return b
 
 
 def budget_text(budget: list[dict[str, Any]]) -> str:
-    """``BC 12 ep x 2e-03 x 60 traj; it 1 2 ep x 1e-04 x 210 traj`` (a DPO step adds beta and the NLL weight)."""
+    """``BC 12 ep x 2e-03 x 60 traj; it 1 2 ep x 1e-04 x 210 traj`` (a DPO step adds beta and the NLL weight, an
+    AWR step its temperature)."""
     parts = []
     for b in budget:
         t = f"{b['stage']} {b['epochs']} ep x {b['lr']:.0e} x {b['data']} {b['unit']}"
         if b.get("unit") == "pairs":
             t += f" (beta {b['dpo_beta']:g}, nll {b['dpo_nll_weight']:g})"
+        elif b.get("awr_beta") is not None:
+            t += f" (AWR beta {b['awr_beta']:g})"
         parts.append(t)
     return "; ".join(parts) or "–"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from qevolve_cli.errors import ConfigError
 
-SCALABLE = ("lr", "epochs", "dpo_beta", "dpo_nll_weight")
+SCALABLE = ("lr", "epochs", "dpo_beta", "dpo_nll_weight", "awr_beta")
 """PolicyConfig fields a candidate may scale."""
 
 DEFAULT_BC_CANDIDATES: list[dict[str, float]] = [{}, {"epochs": 0.5}, {"epochs": 2.0}]
@@ -64,10 +64,13 @@ def apply_candidate(cfg, cand: dict[str, Any]):
 
 
 def setting_of(cfg) -> dict[str, Any]:
-    """The fields a reader needs to see a candidate's budget: objective, epochs, lr (and DPO's beta / alpha)."""
+    """The fields a reader needs to see a candidate's budget: objective, epochs, lr (and DPO's beta / alpha,
+    AWR's temperature)."""
     d = {"objective": cfg.objective, "epochs": cfg.epochs, "lr": cfg.lr}
     if cfg.objective == "dpo":
         d.update(dpo_beta=cfg.dpo_beta, dpo_nll_weight=cfg.dpo_nll_weight)
+    if cfg.objective == "awr":
+        d.update(awr_beta=cfg.awr_beta)
     return d
 
 

@@ -126,9 +126,8 @@ def split_arm(arm: str) -> tuple[str, dict]:
 def arm_name(name: str) -> str:
     """argparse type: a base arm, or a BPPO arm with suffixes (split_arm)."""
     base, over = split_arm(name)
-    awr = base in (*AWR_FULL_ARMS, "awr_bc")
-    ok = ((not over or base in BPPO_ARMS + ["rft_bc", "awr_bc"] or (base in FROM_BASE and set(over) <= {"lr_factor", "epochs", "awr_beta"}))
-          and ("awr_beta" not in over or awr))
+    ok = not over or base in BPPO_ARMS + ["rft_bc", "awr_bc"] or (base in FROM_BASE and set(over) <= {"lr_factor", "epochs", "awr_beta"})
+    ok = ok and ("awr_beta" not in over or base in (*AWR_FULL_ARMS, "awr_bc"))  # a temperature for the AWR arms only
     if base not in BASE_ARMS or base == "bc" and not over or not ok:
         raise argparse.ArgumentTypeError(f"unknown arm {name!r} (arms: {', '.join(BASE_ARMS)}; BPPO arms, rft_bc and "
                                          "awr_bc take the suffixes _clip02, _lrK, _epN, _refN, _hiK; the arms from the "
@@ -301,12 +300,10 @@ def evaluate(run: Path, env: str, policy: Path, work: Path, splits: list[str]) -
     for split in splits:
         out = work / f"eval_{split}.parquet"
         js = work / f"eval_{split}.json"
-        if not js.exists() and split == VALIDATION:
-            js.write_text(json.dumps(validation_metrics(run, policy, out)))
-        elif not js.exists():
-            res = qevolve("eval", "--env", env, "--policy", policy, "--split", split, "--config",
-                          run / "stages" / "rollout_1.yaml", "--max-tasks", "0", "--out", out, "--json")
-            js.write_text(res)
+        if not js.exists():
+            js.write_text(json.dumps(validation_metrics(run, policy, out)) if split == VALIDATION else
+                          qevolve("eval", "--env", env, "--policy", policy, "--split", split, "--config",
+                                  run / "stages" / "rollout_1.yaml", "--max-tasks", "0", "--out", out, "--json"))
         m = json.loads(js.read_text())
         scores[split] = float(m.get("success_rate", m.get("avg_reward", 0.0)))
     return scores

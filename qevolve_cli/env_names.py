@@ -9,3 +9,5 @@ MAX_STEPS = {"webshop": 10, "sciworld": 24, "alfworld": 30, "textcraft": 40, "la
              "lamps-hard": 25, "lamps-habit": 26}
 # lamps, lamps-hard, lamps-habit: envs/builtin.py (lamps-hard, lamps-habit: each task also has its own budget)
 ENV_NAMES = tuple(MAX_STEPS)
+BUILTIN_ENVS = ("lamps", "lamps-hard", "lamps-habit")
+"""The environments built into the project (``envs/builtin.py``: one variant each, an exact solver each)."""

@@ -15,12 +15,14 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from qevolve_cli.env_names import BUILTIN_ENVS
 from qevolve_cli.envs.builtin import (
     HABIT_LOOK,
     HABIT_LOOSE_SLACK,
     HABIT_TIGHT_SLACK,
     HARD_SLACK,
     ROOMS,
+    VARIANTS,
     budget_of,
     build_splits,
     habit_plan_of,
@@ -94,10 +96,10 @@ def test_lamps_hard_expert_is_optimal_and_budgets_are_tight() -> None:
         assert f"in at most {env._episode_max_steps} steps" in env.instruction
 
 
-def play(env_name: str, task_id: str, commands: list[str], with_expert: bool = False) -> tuple[float, int]:
+def play(env_name: str, task_id: str, commands: list[str]) -> tuple[float, int]:
     """(final reward, steps played) of ``commands`` in a fresh environment, stopping at the episode's end."""
     env = make_env(env_name)
-    env.reset(task_from_id(env_name, task_id), with_expert=with_expert)
+    env.reset(task_from_id(env_name, task_id))
     r, n = 0.0, 0
     for c in commands:
         _obs, r, done, _ = env.step(c)
@@ -138,8 +140,7 @@ def test_lamps_habit_expert_keeps_the_habit_and_budgets_split_tight_and_loose() 
         looks += expert.count("look")
         opportunities += len(targets) - 1
         # under the budget the expert succeeds unless it looks twice on a tight task; the optimal plan fits
-        assert play("lamps-habit", tid, expert, with_expert=True)[0] == float(
-            len(expert) <= budget), (tid, expert, budget)
+        assert play("lamps-habit", tid, expert)[0] == float(len(expert) <= budget), (tid, expert, budget)
         assert play("lamps-habit", tid, plan)[0] == 1.0
         env = make_env("lamps-habit")
         env.reset(task_from_id("lamps-habit", tid))
@@ -151,14 +152,15 @@ def test_lamps_habit_expert_keeps_the_habit_and_budgets_split_tight_and_loose() 
     # the halves are even, and the expert's plan looks at HABIT_LOOK's rate (a sha1 draw per task and lamp)
     assert abs(slack[HABIT_TIGHT_SLACK] - slack[HABIT_LOOSE_SLACK]) < 0.15 * len(ids)
     assert abs(looks / opportunities - HABIT_LOOK) < 0.05
-    # lamps-hard's expert and budgets are unchanged by the habit variant
+    # lamps-hard's expert and budgets are unchanged by the habit variant; every variant is a built-in env
+    assert tuple(VARIANTS) == BUILTIN_ENVS
     s, t = parse_task_id(splits["train"][0], "lamps-habit")
     assert habit_plan_of(s, t, "lamps-hard") == plan_of(s, t)
 
 
 def test_lamps_habit_demonstrations_keep_the_habit_and_its_oracle_advantage_is_negative() -> None:
     """collect_expert drops the demonstrations that ran out of steps (two looks on a tight task); the kept ones
-    still look after about 70 % of the lamps; GAE over V* gives each look A* < 0 and every other command 0,
+    still look after about 74 % of the lamps; GAE over V* gives each look A* < 0 and every other command 0,
     and a dropped demonstration's second look leads to a state with V* = 0 (out of reach within the budget)."""
     from qevolve_cli.envs.expert import collect_expert
 

@@ -27,9 +27,11 @@ from typing import Any
 
 import polars as pl
 
+from qevolve_cli.env_names import BUILTIN_ENVS
 from qevolve_cli.errors import QevolveError, TableError
 
-SOLVERS = ("lamps", "lamps-hard", "lamps-habit")
+SOLVERS = BUILTIN_ENVS
+"""The environments with an exact solver: the built-in ones (``envs/builtin.py``)."""
 VALUE_SOURCES = ("critic", "oracle", "tabular_iql")
 FIT_REWARDS = ("env_aux", "env")
 
@@ -79,8 +81,7 @@ def replay(df: pl.DataFrame, source: Any = None, max_steps: int | None = None) -
             limit = EXPERT_MAX_STEPS if src == "expert" else (max_steps or MAX_STEPS[name])
             env = env_objs.get((name, limit)) or env_objs.setdefault((name, limit), make_env(name, max_steps=limit))
             try:
-                # every episode as it was recorded (an expert one with the expert's plan at hand)
-                env.reset(task_from_id(name, task_id), with_expert=src == "expert")
+                env.reset(task_from_id(name, task_id))
             except QevolveError as e:
                 raise TableError(source, "task_id", f"trajectory {traj!r}: {e}") from None
             cur = traj

@@ -25,6 +25,7 @@ import importlib.resources
 import json
 import os
 
+from qevolve_cli.env_names import BUILTIN_ENVS
 from qevolve_cli.envs.base import Task
 from qevolve_cli.errors import QevolveError
 
@@ -88,7 +89,7 @@ def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
     elif env == "webshop":
         ids = list(dict.fromkeys(_load("webshop", _WEBSHOP_FILES[split])))  # train lists one id twice
         tasks = [Task("webshop", f"webshop:{int(i)}", split, None, {"session": int(i)}) for i in ids]
-    elif env in ("lamps", "lamps-hard", "lamps-habit"):
+    elif env in BUILTIN_ENVS:
         from qevolve_cli.envs.builtin import list_lamps_tasks
 
         tasks = list_lamps_tasks(split, env)
@@ -111,7 +112,7 @@ def task_from_id(env: str, task_id: str, split: str = "") -> Task:
         return Task(env, f"webshop:{body}", split, None, {"session": int(body) if body.isdigit() else body})
     if env == "textcraft":
         return Task(env, f"textcraft:{body}", split, body.split("_")[-1], {"goal": body})
-    if env in ("lamps", "lamps-hard", "lamps-habit"):
+    if env in BUILTIN_ENVS:
         from qevolve_cli.envs.builtin import make_task
 
         try:

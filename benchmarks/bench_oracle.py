@@ -430,6 +430,9 @@ def main() -> None:
     ap.add_argument("--refs", nargs="+", default=["rft_bc", "rft_full", "sft"], type=arm_name,
                     help="Reference arms of the paired differences (columns '− REF'; run like the arms where missing).")
     a = ap.parse_args()
+    if VALIDATION in a.splits and len(a.splits) > 1:  # the mean column would mix a selection score into a result
+        ap.error(f"--splits: {VALIDATION} is reported on its own (a separate call): its score chooses between arms, "
+                 "the held-out splits' mean reports them")
     refs = tuple(a.refs)
     every = list(dict.fromkeys([*a.arms, *refs]))  # a reference arm is run (or read) like the others
     per_run = {r.name: run_arms(r, every, a.splits, a.report_only) for r in a.runs}

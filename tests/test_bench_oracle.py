@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,14 @@ def test_bppo_stage_of_a_run_made_with_either_policy_step(bench, tmp_path):
         assert (got == run / "stages" / "policy_1.yaml") == (step == "bppo")
         p = yaml.safe_load(got.read_text())
         assert (p["objective"], p["lr"], p["epochs"], p["eps_low"], p["seed"]) == ("bppo", 1e-4, 2, 0.2, 3)
+
+
+def test_validation_is_never_averaged_with_a_held_out_split(tmp_path):
+    """The per-arm `mean` averages the requested splits; validation (a selection score) mixed with test splits
+    is refused before anything is read or trained, and alone it is accepted."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_oracle.py"), "--runs", str(tmp_path), "--report-only"]
+    bad = subprocess.run(cmd + ["--splits", "test_seen", "validation"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--splits: validation is reported on its own" in bad.stderr
+    # alone it passes the check (and fails later, on the missing run's config, not on --splits)
+    alone = subprocess.run(cmd + ["--splits", "validation"], capture_output=True, text=True)
+    assert "--splits" not in alone.stderr and "config.yaml" in alone.stderr

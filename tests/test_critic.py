@@ -303,3 +303,29 @@ def test_critic_trains_and_scores_on_gpu_bf16(tiny_model_dir, tmp_path):
     assert np.isfinite(sc["value"].to_numpy()).all()
     cpu = score_table(df, tmp_path / "c", device="cpu")
     assert np.allclose(sc["value"].to_numpy(), cpu["value"].to_numpy(), atol=0.05)
+
+
+@pytest.mark.parametrize("loader", ["critic", "policy", "rollout"])
+def test_model_loads_print_no_transformers_bar(tiny_model_dir, capfd, loader):
+    """Every model load of a stage keeps transformers' "Loading weights" bar and warnings off the terminal, even
+    when nothing earlier in the process turned them off (a resumed evolve starts at the critic)."""
+    from transformers.utils import logging as hf_logging
+
+    from qevolve_cli.critic.model import _load_base
+    from qevolve_cli.policy.model import load_causal_lm
+    from qevolve_cli.rollout.backends.hf import HFBackend
+
+    hf_logging.enable_progress_bar()
+    hf_logging.set_verbosity_warning()
+    capfd.readouterr()
+    try:
+        if loader == "critic":
+            _load_base(tiny_model_dir, torch.float32, torch.device("cpu"))
+        elif loader == "policy":
+            load_causal_lm(tiny_model_dir)
+        else:
+            HFBackend(str(tiny_model_dir), device="cpu")
+        err = capfd.readouterr().err
+        assert "Loading weights" not in err and "it/s" not in err, err
+    finally:
+        hf_logging.disable_progress_bar()

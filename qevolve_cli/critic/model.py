@@ -63,6 +63,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def _load_base(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
+    from qevolve_cli.progress import quiet_transformers
+
+    quiet_transformers()
     p = Path(model_dir)
     if not p.is_dir():
         raise QevolveError(f"{p}: model directory not found")

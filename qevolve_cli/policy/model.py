@@ -27,6 +27,9 @@ def load_causal_lm(path: str | Path, trainable_lora: bool = False, what: str = "
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qevolve_cli.progress import quiet_transformers
+
+    quiet_transformers()
     p = check_model_dir(path, what)
     kw = dict(dtype=torch.float32, trust_remote_code=False, use_safetensors=True)
     try:

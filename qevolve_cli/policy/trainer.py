@@ -61,10 +61,6 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
     from qevolve_cli.training import make_backend, per_sequence_layout, train_loop
 
     t_start = time.perf_counter()
-    if quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     out = Path(out)
 
     # 1. load

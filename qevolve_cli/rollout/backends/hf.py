@@ -207,11 +207,11 @@ class HFBackend(Backend):
         import os
 
         import torch
-        import transformers
         from transformers import AutoModelForCausalLM
 
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
+        from qevolve_cli.progress import quiet_transformers
+
+        quiet_transformers()
         _check_model_dir(policy)
         _check_adapter_dir(adapter)
         if device == "auto":

@@ -53,8 +53,9 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
         --refs rft_full learned                                                    # other reference columns
 
 Each arm's work goes to RUN/oracle/<arm>/ and is skipped when its evaluations exist (re-run to resume).
-Prints one JSON object: per run and arm the success rate per split and their mean, and per arm the mean
-and standard error over the runs.
+Prints one JSON object: per run and arm the success rate per split and their mean, per arm the mean
+and standard error over the runs, and per run (where both were labelled) `credit`: how much of the learned
+critic's advantages is credit to steps rather than to outcomes, against the exact ones (credit_stats).
 """
 from __future__ import annotations
 
@@ -319,6 +320,36 @@ def advantage_stats(path: Path) -> dict:
     return {"mean": float(a.mean()), "share_positive": float((a > 1e-6).mean()), "n_self_steps": d.height}
 
 
+def credit_stats(learned, exact) -> dict:
+    """How much of the learned advantages is credit to steps rather than to outcomes, against the exact ones.
+
+    ``learned`` / ``exact``: tables (or Parquet paths) with traj_id, step, advantage over the same rows (the
+    run's iteration-1 table labelled by its critic and by the solver). Both are standardised over all rows, as
+    the policy step sees them. Returned: ``corr`` of the two; per source the ``within_share``, the part of the
+    variance left after subtracting each trajectory's mean (0: every step of a trajectory gets the same
+    advantage, i.e. the outcome; filtering successes, as RFT does, weighs rows the same way); and
+    ``within_corr``, the correlation of the two once each trajectory's mean is subtracted (1: the critic
+    blames the same steps as the solver inside a trajectory)."""
+    import polars as pl
+
+    k = ["traj_id", "step"]
+
+    def z(t, name):
+        t = pl.read_parquet(t) if isinstance(t, (str, Path)) else t
+        a = pl.col("advantage")
+        return t.select(*k, ((a - a.mean()) / a.std()).alias(name))
+
+    d = z(learned, "l").join(z(exact, "e"), on=k, how="inner")
+    if d.height < 2:
+        return {}
+    d = d.with_columns(*[(pl.col(c) - pl.col(c).mean().over("traj_id")).alias(c + "w") for c in ("l", "e")])
+    share = {c: float(d[c + "w"].var() / d[c].var()) if d[c].var() else 0.0 for c in ("l", "e")}
+    within = d.select(pl.corr("lw", "ew")).item() if min(share.values()) > 1e-9 else None
+    return {"rows": d.height, "corr": round(float(d.select(pl.corr("l", "e")).item()), 3),
+            "within_share": {"learned": round(share["l"], 3), "exact": round(share["e"], 3)},
+            "within_corr": None if within is None else round(float(within), 3)}
+
+
 def read_scores(work: Path, splits: list[str]) -> dict | None:
     """The arm's evaluations if all exist (report-only mode), else None."""
     scores = {}
@@ -437,7 +468,13 @@ def main() -> None:
     every = list(dict.fromkeys([*a.arms, *refs]))  # a reference arm is run (or read) like the others
     per_run = {r.name: run_arms(r, every, a.splits, a.report_only) for r in a.runs}
     summary = summarise(per_run, a.arms, {r.name: r for r in a.runs}, a.splits, refs)
-    print(json.dumps({"runs": per_run, "summary": summary}, indent=1))
+    credit = {}
+    for r in a.runs:  # the learned critic's advantages against the solver's, where both were labelled
+        have = [[r / "oracle" / x / "advantages.parquet" for x in xs if (r / "oracle" / x / "advantages.parquet").exists()]
+                for xs in (("learned", "awr_full"), ("oracle_gae", "awr_oracle"))]
+        if all(have):
+            credit[r.name] = credit_stats(have[0][0], have[1][0])
+    print(json.dumps({"runs": per_run, "summary": summary, "credit": credit}, indent=1))
     if a.markdown:
         print(markdown(summary, list(per_run), refs), file=sys.stderr)
 

@@ -61,3 +61,33 @@ def test_validation_is_never_averaged_with_a_held_out_split(tmp_path):
     # alone it passes the check (and fails later, on the missing run's config, not on --splits)
     alone = subprocess.run(cmd + ["--splits", "validation"], capture_output=True, text=True)
     assert "--splits" not in alone.stderr and "config.yaml" in alone.stderr
+
+
+def test_credit_stats_separates_step_credit_from_outcome_credit(bench):
+    """credit_stats against a plain loop: an advantage that is constant inside each trajectory (the outcome, as
+    RFT weighs rows) has no within-trajectory share; one equal to the exact advantages has within_corr 1;
+    one that blames the opposite steps has within_corr -1; rows only one table has are ignored."""
+    import numpy as np
+    import polars as pl
+
+    rng = np.random.default_rng(0)
+    rows = [(t, s) for t in range(6) for s in range(5)]
+    exact = rng.normal(size=len(rows))
+    outcome = np.repeat(rng.normal(size=6), 5)
+    tab = lambda a, extra=(): pl.DataFrame({"traj_id": [f"t{t}" for t, _ in rows] + [f"x{i}" for i in range(len(extra))],
+                                            "step": [s for _, s in rows] + [0] * len(extra),
+                                            "advantage": list(a) + list(extra)})
+    same = bench.credit_stats(tab(exact, extra=[9.0, -9.0]), tab(exact))
+    assert same["rows"] == 30 and same["corr"] == 1.0 and same["within_corr"] == 1.0
+    flat = bench.credit_stats(tab(outcome), tab(exact))
+    assert flat["within_share"]["learned"] == 0.0 and flat["within_corr"] is None
+
+    # the within-trajectory share of the exact advantages by a plain loop
+    z = (exact - exact.mean()) / exact.std(ddof=1)
+    w = np.concatenate([z[i * 5:(i + 1) * 5] - z[i * 5:(i + 1) * 5].mean() for i in range(6)])
+    assert same["within_share"]["exact"] == round(float(w.var(ddof=1) / z.var(ddof=1)), 3)
+
+    # opposite blame inside each trajectory, same outcomes: the overall correlation hides it, within_corr shows it
+    flipped = outcome * 10 - (exact - np.repeat(exact.reshape(6, 5).mean(1), 5))
+    opp = bench.credit_stats(tab(flipped), tab(exact + outcome * 10))
+    assert opp["corr"] > 0.9 and opp["within_corr"] == -1.0

@@ -91,6 +91,9 @@ LABEL = {  # arm -> label config overrides over the run's label stage (value sou
     "awr_oracle": {"value_source": "oracle", "advantage": "gae"},
     "awr_tab": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux"},
 }
+CREDIT_SOURCES = ("learned", "awr_full", "learned_pbb", "learned_m05", "tab_gae", "tab_env_gae", "tab_gae_m05",
+                  "tab_gae_m09", "shuffled")
+"""Arms with advantages of their own (a critic, the tabular IQL, a control) that `credit` holds against the solver's."""
 RAW = {"oracle_gae_raw", "learned_raw", "a_one", "learned_pos"}  # learned_pos: standardised before clamping
 RETRAINED_CRITIC = {  # arm -> (critic config overrides, backbone inside the run) of a critic trained anew
     "learned_m05": ({"expectile": 0.5}, "base_model"),
@@ -469,11 +472,12 @@ def main() -> None:
     per_run = {r.name: run_arms(r, every, a.splits, a.report_only) for r in a.runs}
     summary = summarise(per_run, a.arms, {r.name: r for r in a.runs}, a.splits, refs)
     credit = {}
-    for r in a.runs:  # the learned critic's advantages against the solver's, where both were labelled
-        have = [[r / "oracle" / x / "advantages.parquet" for x in xs if (r / "oracle" / x / "advantages.parquet").exists()]
-                for xs in (("learned", "awr_full"), ("oracle_gae", "awr_oracle"))]
-        if all(have):
-            credit[r.name] = credit_stats(have[0][0], have[1][0])
+    for r in a.runs:  # each critic's advantages that exist against the solver's (oracle_gae / awr_oracle)
+        adv = {x: r / "oracle" / x / "advantages.parquet" for x in (*CREDIT_SOURCES, "oracle_gae", "awr_oracle")}
+        adv = {x: f for x, f in adv.items() if f.exists()}
+        exact = adv.get("oracle_gae", adv.get("awr_oracle"))
+        if exact is not None:
+            credit[r.name] = {x: credit_stats(f, exact) for x, f in adv.items() if x in CREDIT_SOURCES}
     print(json.dumps({"runs": per_run, "summary": summary, "credit": credit}, indent=1))
     if a.markdown:
         print(markdown(summary, list(per_run), refs), file=sys.stderr)

@@ -20,6 +20,9 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   shuffled        the learned advantages permuted over the steps (control)       (norm)
   learned_pos     the learned advantages standardised, then the negative ones set to 0 (BPPO only
                   raises what the critic rates above average; nothing is pushed down)
+  learned_trajmean  the learned advantages replaced by their trajectory's mean (control: the same
+                  credit to every step of a trajectory, i.e. to its outcome; what is left of `learned`
+                  without the critic's credit to single steps)                   (norm)
   awr_full        AWR (weights exp(A), the learned advantages standardised) from the base model with
                   the BC budget: rft_full's start and budget, every row weighted by the critic instead
                   of keeping the successes only
@@ -71,7 +74,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
 BASE_ARMS = ("sft", "bc", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
-             "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "shuffled", "a_one",
+             "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "learned_trajmean", "shuffled", "a_one",
              "awr_full", "awr_full_one", "awr_full_shuffled", "awr_bc", "awr_oracle", "awr_tab",
              "oracle_gae_informative")
 AWR_FULL_ARMS = ("awr_full", "awr_full_one", "awr_full_shuffled", "awr_oracle", "awr_tab")
@@ -204,6 +207,8 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
         a = pl.col("advantage")
         learned.with_columns(((a - a.mean()) / (a.std() + 1e-8)).clip(lower_bound=0.0).cast(pl.Float32)
                              .alias("advantage")).write_parquet(out)
+    elif arm == "learned_trajmean":
+        learned.with_columns(pl.col("advantage").mean().over("traj_id").cast(pl.Float32)).write_parquet(out)
     elif arm in ("shuffled", "awr_full_shuffled"):
         learned.with_columns(pl.col("advantage").shuffle(seed=0)).write_parquet(out)
     elif arm in ("a_one", "awr_full_one"):
@@ -389,6 +394,18 @@ def run_arms(run: Path, arms: list[str], splits: list[str], report_only: bool = 
     return out
 
 
+def choose(per_run: dict, runs: dict[str, Path], name: str, candidates: list[str]) -> None:
+    """Add arm ``name`` to every run of ``per_run``: the candidate with the highest score on the run's validation
+    tasks (`--splits validation`, never a test split; the first listed wins a tie), with its held-out scores.
+    A run where a candidate lacks its held-out or validation evaluation gets no ``name``."""
+    for r, arms in per_run.items():
+        val = {c: read_scores(runs[r] / "oracle" / c, [VALIDATION]) for c in candidates}
+        if any(v is None for v in val.values()) or any(c not in arms for c in candidates):
+            continue
+        best = max(candidates, key=lambda c: (val[c][VALIDATION], -candidates.index(c)))
+        arms[name] = {**arms[best], "chosen": best, "validation": {c: val[c][VALIDATION] for c in candidates}}
+
+
 def task_diffs(work_a: Path, work_b: Path, splits: list[str]) -> list[float]:
     """Per held-out task, arm A minus arm B (final reward), weighted so that their mean is the mean over the
     splits of each split's mean difference (the `mean` column: every split counts equally)."""
@@ -425,7 +442,8 @@ def summarise(per_run: dict, arms: list[str], runs: dict[str, Path], splits: lis
                 continue
             both = [r for r in per_run if arm in per_run[r] and ref in per_run[r]]
             if len(both) >= 2:
-                diffs = [task_diffs(runs[r] / "oracle" / arm, runs[r] / "oracle" / ref, splits) for r in both]
+                diffs = [task_diffs(runs[r] / "oracle" / per_run[r][arm].get("chosen", arm),
+                                    runs[r] / "oracle" / per_run[r][ref].get("chosen", ref), splits) for r in both]
                 ci = paired_bootstrap(diffs, n_boot=n_boot)
                 row[f"minus_{ref}"] = {"mean": round(100 * ci["mean"], 1),
                                        "ci95": [round(100 * ci["lo"], 1), round(100 * ci["hi"], 1)],
@@ -459,18 +477,38 @@ def main() -> None:
     ap.add_argument("--splits", nargs="+", default=["test_seen", "test_unseen"],
                     help="Held-out splits to evaluate on, or 'validation': the run's validation tasks (the last "
                          "validation_tasks train tasks), to choose between arms without reading a test split.")
+    ap.add_argument("--choose", nargs="*", default=[], metavar="NAME=ARM,ARM",
+                    help="An arm NAME that is, per run, the candidate ARM with the best score on the run's validation "
+                         "tasks (evaluate them with --splits validation first): the same number of candidates gives "
+                         "every method the same tuning budget. NAME can be an --arms or --refs entry.")
     ap.add_argument("--report-only", action="store_true", help="Train and evaluate nothing: report what exists.")
     ap.add_argument("--markdown", action="store_true", help="Print a markdown table (after the JSON, on stderr).")
-    ap.add_argument("--refs", nargs="+", default=["rft_bc", "rft_full", "sft"], type=arm_name,
+    ap.add_argument("--refs", nargs="+", default=["rft_bc", "rft_full", "sft"],
                     help="Reference arms of the paired differences (columns '− REF'; run like the arms where missing).")
     a = ap.parse_args()
     if VALIDATION in a.splits and len(a.splits) > 1:  # the mean column would mix a selection score into a result
         ap.error(f"--splits: {VALIDATION} is reported on its own (a separate call): its score chooses between arms, "
                  "the held-out splits' mean reports them")
-    refs = tuple(a.refs)
-    every = list(dict.fromkeys([*a.arms, *refs]))  # a reference arm is run (or read) like the others
+    chosen = {}
+    for spec in a.choose:
+        name, _, cands = spec.partition("=")
+        if not name or not cands:
+            ap.error(f"--choose {spec}: expected NAME=ARM,ARM,...")
+        try:
+            chosen[name] = [arm_name(c) for c in cands.split(",")]
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"--choose {spec}: {e}")
+    try:
+        refs = tuple(r if r in chosen else arm_name(r) for r in a.refs)
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--refs: {e}")
+    # a reference arm and a candidate are run (or read) like the others; a chosen name is no arm to run
+    every = [x for x in dict.fromkeys([*a.arms, *refs, *(c for cs in chosen.values() for c in cs)]) if x not in chosen]
     per_run = {r.name: run_arms(r, every, a.splits, a.report_only) for r in a.runs}
-    summary = summarise(per_run, a.arms, {r.name: r for r in a.runs}, a.splits, refs)
+    for name, cands in chosen.items():
+        choose(per_run, {r.name: r for r in a.runs}, name, cands)
+    summary = summarise(per_run, [*a.arms, *(n for n in chosen if n not in a.arms)], {r.name: r for r in a.runs},
+                        a.splits, refs)
     credit = {}
     for r in a.runs:  # each critic's advantages that exist against the solver's (oracle_gae / awr_oracle)
         adv = {x: r / "oracle" / x / "advantages.parquet" for x in (*CREDIT_SOURCES, "oracle_gae", "awr_oracle")}

@@ -91,3 +91,36 @@ def test_credit_stats_separates_step_credit_from_outcome_credit(bench):
     flipped = outcome * 10 - (exact - np.repeat(exact.reshape(6, 5).mean(1), 5))
     opp = bench.credit_stats(tab(flipped), tab(exact + outcome * 10))
     assert opp["corr"] > 0.9 and opp["within_corr"] == -1.0
+
+
+def test_choose_takes_each_runs_best_candidate_on_validation_only(bench, tmp_path):
+    """--choose: per run, the candidate with the best validation score (the first on a tie) lends its held-out
+    scores to the new arm; the held-out scores play no part in the choice; a run missing a candidate's
+    validation evaluation gets no chosen arm."""
+    import json
+
+    val = {"r0": {"a": 0.5, "b": 0.7}, "r1": {"a": 0.6, "b": 0.6}, "r2": {"a": 0.9}}
+    runs = {}
+    for r, arms in val.items():
+        runs[r] = tmp_path / r
+        for arm, v in arms.items():
+            (runs[r] / "oracle" / arm).mkdir(parents=True)
+            (runs[r] / "oracle" / arm / "eval_validation.json").write_text(json.dumps({"success_rate": v}))
+    # held-out scores ordered against validation: a choice made on them would pick the other candidate
+    per_run = {r: {"a": {"scores": {"test_seen": 0.9}, "mean": 0.9}, "b": {"scores": {"test_seen": 0.1}, "mean": 0.1}}
+               for r in val}
+    bench.choose(per_run, runs, "best", ["a", "b"])
+    assert per_run["r0"]["best"]["chosen"] == "b" and per_run["r0"]["best"]["mean"] == 0.1
+    assert per_run["r0"]["best"]["validation"] == {"a": 0.5, "b": 0.7}
+    assert per_run["r1"]["best"]["chosen"] == "a"  # tie: the first listed
+    assert "best" not in per_run["r2"]
+
+
+def test_choose_and_refs_on_the_command_line(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_oracle.py"), "--runs", str(tmp_path), "--report-only"]
+    bad = subprocess.run(cmd + ["--choose", "sel"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--choose sel: expected NAME=ARM,ARM" in bad.stderr
+    bad = subprocess.run(cmd + ["--choose", "sel=rft_bc,nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--choose sel=rft_bc,nope:" in bad.stderr and "unknown arm" in bad.stderr
+    bad = subprocess.run(cmd + ["--refs", "sel"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--refs:" in bad.stderr and "unknown arm" in bad.stderr

@@ -124,3 +124,24 @@ def test_choose_and_refs_on_the_command_line(tmp_path):
     assert bad.returncode == 2 and "--choose sel=rft_bc,nope:" in bad.stderr and "unknown arm" in bad.stderr
     bad = subprocess.run(cmd + ["--refs", "sel"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--refs:" in bad.stderr and "unknown arm" in bad.stderr
+
+
+def test_learned_trajmean_gives_every_step_its_trajectorys_mean(bench, tmp_path):
+    """learned_trajmean's advantages: each row's learned advantage replaced by its trajectory's mean (a plain
+    loop), every other column as it was; the run's own table is not touched."""
+    import polars as pl
+
+    run = tmp_path / "run"
+    (run / "iter_1").mkdir(parents=True)
+    src = pl.DataFrame({"traj_id": ["a", "a", "a", "b", "b"], "step": [0, 1, 2, 0, 1],
+                        "advantage": pl.Series([1.0, -2.0, 4.0, 0.5, -0.5], dtype=pl.Float32),
+                        "command": ["go", "look", "on", "go", "on"]})
+    src.write_parquet(run / "iter_1" / "advantages.parquet")
+    work = tmp_path / "arm"
+    work.mkdir()
+    out = pl.read_parquet(bench.advantage_table(run, "learned_trajmean", work))
+    means = {t: sum(a for tt, a in zip(src["traj_id"], src["advantage"]) if tt == t) /
+             sum(1 for tt in src["traj_id"] if tt == t) for t in ("a", "b")}
+    assert out["advantage"].to_list() == [means[t] for t in src["traj_id"]] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert out.drop("advantage").equals(src.drop("advantage"))
+    assert pl.read_parquet(run / "iter_1" / "advantages.parquet").equals(src)

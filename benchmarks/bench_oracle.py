@@ -358,6 +358,16 @@ def credit_stats(learned, exact) -> dict:
             "within_corr": None if within is None else round(float(within), 3)}
 
 
+def run_credit(run: Path) -> dict:
+    """credit_stats of each CREDIT_SOURCES arm labelled in ``run`` against the solver's advantages (oracle_gae's,
+    else awr_oracle's: the same labels); {} when neither was labelled."""
+    exact = next((f for x in ("oracle_gae", "awr_oracle") if (f := run / "oracle" / x / "advantages.parquet").exists()),
+                 None)
+    if exact is None:
+        return {}
+    return {x: credit_stats(f, exact) for x in CREDIT_SOURCES if (f := run / "oracle" / x / "advantages.parquet").exists()}
+
+
 def read_scores(work: Path, splits: list[str]) -> dict | None:
     """The arm's evaluations if all exist (report-only mode), else None."""
     scores = {}
@@ -480,7 +490,8 @@ def main() -> None:
     ap.add_argument("--choose", nargs="*", default=[], metavar="NAME=ARM,ARM",
                     help="An arm NAME that is, per run, the candidate ARM with the best score on the run's validation "
                          "tasks (evaluate them with --splits validation first): the same number of candidates gives "
-                         "every method the same tuning budget. NAME can be an --arms or --refs entry.")
+                         "every method the same tuning budget. NAME is a new name (not an arm's); it is reported "
+                         "like an arm and can be an --refs entry.")
     ap.add_argument("--report-only", action="store_true", help="Train and evaluate nothing: report what exists.")
     ap.add_argument("--markdown", action="store_true", help="Print a markdown table (after the JSON, on stderr).")
     ap.add_argument("--refs", nargs="+", default=["rft_bc", "rft_full", "sft"],
@@ -495,6 +506,12 @@ def main() -> None:
         if not name or not cands:
             ap.error(f"--choose {spec}: expected NAME=ARM,ARM,...")
         try:
+            arm_name(name)
+        except argparse.ArgumentTypeError:
+            pass
+        else:
+            ap.error(f"--choose {spec}: {name} is an arm's name; give the chosen arm a new one")
+        try:
             chosen[name] = [arm_name(c) for c in cands.split(",")]
         except argparse.ArgumentTypeError as e:
             ap.error(f"--choose {spec}: {e}")
@@ -504,18 +521,12 @@ def main() -> None:
         ap.error(f"--refs: {e}")
     # a reference arm and a candidate are run (or read) like the others; a chosen name is no arm to run
     every = [x for x in dict.fromkeys([*a.arms, *refs, *(c for cs in chosen.values() for c in cs)]) if x not in chosen]
-    per_run = {r.name: run_arms(r, every, a.splits, a.report_only) for r in a.runs}
+    runs = {r.name: r for r in a.runs}
+    per_run = {name: run_arms(r, every, a.splits, a.report_only) for name, r in runs.items()}
     for name, cands in chosen.items():
-        choose(per_run, {r.name: r for r in a.runs}, name, cands)
-    summary = summarise(per_run, [*a.arms, *(n for n in chosen if n not in a.arms)], {r.name: r for r in a.runs},
-                        a.splits, refs)
-    credit = {}
-    for r in a.runs:  # each critic's advantages that exist against the solver's (oracle_gae / awr_oracle)
-        adv = {x: r / "oracle" / x / "advantages.parquet" for x in (*CREDIT_SOURCES, "oracle_gae", "awr_oracle")}
-        adv = {x: f for x, f in adv.items() if f.exists()}
-        exact = adv.get("oracle_gae", adv.get("awr_oracle"))
-        if exact is not None:
-            credit[r.name] = {x: credit_stats(f, exact) for x, f in adv.items() if x in CREDIT_SOURCES}
+        choose(per_run, runs, name, cands)
+    summary = summarise(per_run, [*a.arms, *chosen], runs, a.splits, refs)
+    credit = {name: c for name, r in runs.items() if (c := run_credit(r))}
     print(json.dumps({"runs": per_run, "summary": summary, "credit": credit}, indent=1))
     if a.markdown:
         print(markdown(summary, list(per_run), refs), file=sys.stderr)

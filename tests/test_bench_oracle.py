@@ -74,9 +74,11 @@ def test_credit_stats_separates_step_credit_from_outcome_credit(bench):
     rows = [(t, s) for t in range(6) for s in range(5)]
     exact = rng.normal(size=len(rows))
     outcome = np.repeat(rng.normal(size=6), 5)
-    tab = lambda a, extra=(): pl.DataFrame({"traj_id": [f"t{t}" for t, _ in rows] + [f"x{i}" for i in range(len(extra))],
-                                            "step": [s for _, s in rows] + [0] * len(extra),
-                                            "advantage": list(a) + list(extra)})
+
+    def tab(a, extra=()):
+        return pl.DataFrame({"traj_id": [f"t{t}" for t, _ in rows] + [f"x{i}" for i in range(len(extra))],
+                             "step": [s for _, s in rows] + [0] * len(extra), "advantage": list(a) + list(extra)})
+
     same = bench.credit_stats(tab(exact, extra=[9.0, -9.0]), tab(exact))
     assert same["rows"] == 30 and same["corr"] == 1.0 and same["within_corr"] == 1.0
     flat = bench.credit_stats(tab(outcome), tab(exact))
@@ -122,6 +124,8 @@ def test_choose_and_refs_on_the_command_line(tmp_path):
     assert bad.returncode == 2 and "--choose sel: expected NAME=ARM,ARM" in bad.stderr
     bad = subprocess.run(cmd + ["--choose", "sel=rft_bc,nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--choose sel=rft_bc,nope:" in bad.stderr and "unknown arm" in bad.stderr
+    bad = subprocess.run(cmd + ["--choose", "learned=learned,learned_ep4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "learned is an arm's name" in bad.stderr
     bad = subprocess.run(cmd + ["--refs", "sel"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--refs:" in bad.stderr and "unknown arm" in bad.stderr
 
@@ -140,7 +144,7 @@ def test_learned_trajmean_gives_every_step_its_trajectorys_mean(bench, tmp_path)
     work = tmp_path / "arm"
     work.mkdir()
     out = pl.read_parquet(bench.advantage_table(run, "learned_trajmean", work))
-    means = {t: sum(a for tt, a in zip(src["traj_id"], src["advantage"]) if tt == t) /
+    means = {t: sum(a for tt, a in zip(src["traj_id"], src["advantage"], strict=True) if tt == t) /
              sum(1 for tt in src["traj_id"] if tt == t) for t in ("a", "b")}
     assert out["advantage"].to_list() == [means[t] for t in src["traj_id"]] == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert out.drop("advantage").equals(src.drop("advantage"))

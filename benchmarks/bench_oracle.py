@@ -519,6 +519,9 @@ def main() -> None:
         refs = tuple(r if r in chosen else arm_name(r) for r in a.refs)
     except argparse.ArgumentTypeError as e:
         ap.error(f"--refs: {e}")
+    for r in a.runs:
+        if not (r / "config.yaml").is_file():
+            ap.error(f"--runs {r}: not a run directory of qevolve evolve (no config.yaml)")
     # a reference arm and a candidate are run (or read) like the others; a chosen name is no arm to run
     every = [x for x in dict.fromkeys([*a.arms, *refs, *(c for cs in chosen.values() for c in cs)]) if x not in chosen]
     runs = {r.name: r for r in a.runs}

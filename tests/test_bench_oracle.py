@@ -60,7 +60,14 @@ def test_validation_is_never_averaged_with_a_held_out_split(tmp_path):
     assert bad.returncode == 2 and "--splits: validation is reported on its own" in bad.stderr
     # alone it passes the check (and fails later, on the missing run's config, not on --splits)
     alone = subprocess.run(cmd + ["--splits", "validation"], capture_output=True, text=True)
-    assert "--splits" not in alone.stderr and "config.yaml" in alone.stderr
+    assert "--splits:" not in alone.stderr and "(no config.yaml)" in alone.stderr
+
+
+def test_a_run_directory_without_its_config_is_one_line(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_oracle.py"), "--report-only", "--arms", "sft", "--refs", "sft"]
+    bad = subprocess.run(cmd + ["--runs", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stdout == ""
+    assert f"--runs {tmp_path / 'nope'}: not a run directory of qevolve evolve (no config.yaml)" in bad.stderr
 
 
 def test_credit_stats_separates_step_credit_from_outcome_credit(bench):

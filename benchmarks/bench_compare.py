@@ -11,6 +11,9 @@ docs/compare.md on stderr. Resumable: a seed whose comparison is finished with t
 read, not re-run; an unfinished one resumes at its last finished stage.
 
     nice -n 10 python benchmarks/bench_compare.py --envs lamps lamps-hard --seeds 0 1 2 3 4 --runs runs/bench --markdown
+    # the pretrained model (SmolLM2-135M-Instruct, LoRA), one iteration, the arms' own settings, both cores:
+    nice python benchmarks/bench_compare.py --envs lamps --preset cpu-smol --iters 1 --no-select --threads 2 \
+        --seeds 0 1 2 --runs runs/smol --markdown
 """
 from __future__ import annotations
 
@@ -151,13 +154,16 @@ def main() -> None:
                                                             "rerun with the same DIR skips finished seeds.")
     ap.add_argument("--collect", action="store_true", help="Only read finished seeds (run nothing).")
     ap.add_argument("--markdown", action="store_true", help="Also print the tables for docs/compare.md (stderr).")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the training stages (1: seeds side by "
+                                                           "side on the tiny model; 2 for --preset cpu-smol, whose "
+                                                           "rollouts also take 2: rollout.threads).")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     select = not a.no_select
 
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, a.threads))
     from qevolve_cli.evolve.compare import run_compare
     from qevolve_cli.evolve.loop import run_evolve
 

@@ -71,11 +71,7 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.models.tiny import create_tiny_model
 
             t0 = time.perf_counter()
-            if quiet:
-                import transformers
-
-                transformers.utils.logging.set_verbosity_error()
-            else:
+            if not quiet:
                 typer.echo(f"init-model: training the {size} tokenizer and writing a {arch} model to {out} ...",
                            err=True)
             path = create_tiny_model(out, arch=arch, size=size, seed=seed)
@@ -96,9 +92,6 @@ def _pretrained(name: str, out: Path, dtype: str, json_out: bool, quiet: bool) -
     src = pretrained.source(name)
     check_choice(dtype, pretrained.DTYPES, "--dtype")
     pretrained.find_gguf(src)  # the one-line install hint before any heavy import
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
     if not quiet:
         typer.echo(f"init-model: {src.title} ({dtype}) to {out} (the first conversion takes about a minute; "
                    f"cached in {pretrained.cache_root()}) ...", err=True)

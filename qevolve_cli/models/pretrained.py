@@ -99,10 +99,11 @@ def _readme(src: Source, gguf: Path, dtype: str, params: int) -> str:
 
 def _convert(src: Source, gguf: Path, out: Path, dtype: str) -> dict:
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-    transformers.utils.logging.disable_progress_bar()
+    from qevolve_cli.progress import quiet_transformers
+
+    quiet_transformers()
     d, f = str(gguf.parent), gguf.name
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     if not getattr(tok, "chat_template", None):

@@ -216,10 +216,11 @@ def create_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tin
         raise QevolveError(f"{out}: already exists and is not empty")
 
     import torch
-    import transformers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    transformers.utils.logging.disable_progress_bar()
+    from qevolve_cli.progress import quiet_transformers
+
+    quiet_transformers()
     sz = _SIZES[size]
     tok = wrap_fast_tokenizer(train_tokenizer(sz.vocab, seed, textcraft_vocab=sz.textcraft_vocab))
     tok.model_max_length = sz.max_positions

@@ -40,17 +40,12 @@ def evolve_config(env: str, preset: str, seed: int, iters: int, select: bool, ev
                                        "select_on_validation": select})
 
 
-def compare_config(env: str, best_of: int, select: bool):
-    from qevolve_cli.evolve.compare import ARMS, CompareConfig
+def compare_config(env: str, best_of: int, select: bool, run: Path):
+    """The comparison of one seed: the default rows for the run's environment and base model (`compare`'s own:
+    no oracle-V row without a solver, no zero-shot row for a randomly initialised base)."""
+    from qevolve_cli.evolve.compare import CompareConfig, default_arms
 
-    arms = [a for a in ARMS if a != "qevolve_oracle_v" or has_solver(env)]
-    return CompareConfig(arms=arms, best_of=best_of, select_on_validation=select)
-
-
-def has_solver(env: str) -> bool:
-    from qevolve_cli.envs.oracle import has_solver as hs
-
-    return hs(env)
+    return CompareConfig(arms=default_arms(env, run / "base_model"), best_of=best_of, select_on_validation=select)
 
 
 def finished_table(run: Path, cfg, ccfg) -> dict | None:
@@ -176,12 +171,12 @@ def main() -> None:
         for seed in a.seeds:
             run = root / f"{env}-{a.preset}-s{seed}"
             cfg = evolve_config(env, a.preset, seed, a.iters, select, a.eval_max_tasks)
-            ccfg = compare_config(env, a.best_of, select)
-            table = finished_table(run, cfg, ccfg)
+            table = finished_table(run, cfg, compare_config(env, a.best_of, select, run))
             if table is None and not a.collect:
                 t0 = time.perf_counter()
                 run_evolve(cfg, run, resume=True, echo=echo, quiet=not a.verbose)
                 t1 = time.perf_counter()
+                ccfg = compare_config(env, a.best_of, select, run)  # the base model exists now
                 table = run_compare(run, ccfg, resume=True, echo=echo, quiet=not a.verbose)
                 times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
             if table is None:

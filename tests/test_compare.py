@@ -95,6 +95,47 @@ def test_compare_table_rows_data_and_reuse(run, compared):
     assert json.loads((run / "compare" / "table.json").read_text()) == t
 
 
+def test_zero_shot_row_is_the_base_model_untrained(run, compared, tmp_path):
+    """The zero-shot row evaluates the run's base model with the same eval config, trained on nothing; it is
+    left out of the default rows only for a base initialised at random (the run's tiny model) and runs when
+    named."""
+    from qevolve_cli.evolve.compare import ARMS, default_arms
+    from qevolve_cli.models import random_init
+
+    assert random_init(run / "base_model") and "zero_shot" not in [r["arm"] for r in compared["rows"]]
+    assert default_arms("lamps", run / "base_model") == [a for a in ARMS if a != "zero_shot"]
+    # the same real model without qevolve's marker of a random init (a user's own model) gets the row
+    own = tmp_path / "own"
+    shutil.copytree(run / "base_model", own)
+    (own / "qevolve_model.json").unlink()
+    assert not random_init(own) and default_arms("lamps", own) == list(ARMS)
+    assert default_arms("textcraft", own) == [a for a in ARMS if a != "qevolve_oracle_v"]  # no exact solver
+    meta = json.loads((run / "base_model" / "qevolve_model.json").read_text())
+    (own / "qevolve_model.json").write_text(json.dumps({**meta, "source": "smollm2-135m-instruct"}))
+    assert not random_init(own)  # converted pretrained models name their source
+
+    out = tmp_path / "cmp0"
+    r = run_qevolve("compare", "--run-dir", run, "--out", out, "--set", "arms=[zero_shot, sft]", "--json",
+                    "--quiet", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = json.loads(r.stdout)
+    rows = {x["arm"]: x for x in t["rows"]}
+    assert list(rows) == ["zero_shot", "sft"] and rows["zero_shot"]["method"] == "Zero-shot (base model)"
+    z = rows["zero_shot"]
+    assert z["expert_steps"] == 0 and z["self_play_steps"] == 0 and z["budget"] == [] and not z["oracle"]
+    assert rows["sft"]["expert_steps"] > 0 and rows["sft"]["scores"] == {
+        c: s for c, s in {x["arm"]: x for x in compared["rows"]}["sft"]["scores"].items()}
+    for split in ("test_seen", "test_unseen"):
+        ev = per_traj(out / "eval" / f"zero_shot_{split}.parquet")
+        sft = per_traj(run / "iter_0" / f"eval_{split}.parquet")
+        assert sorted(ev["task_id"]) == sorted(sft["task_id"])  # the same tasks as every other row
+        assert z["scores"][f"lamps/{split}"]["avg_reward"] == pytest.approx(ev["reward"].mean())
+        assert z["per_task"][f"lamps/{split}"] == dict(zip(ev["task_id"], ev["reward"], strict=True))
+        assert z["eval_steps"] > 0
+    md = (out / "table.md").read_text()
+    assert "| Zero-shot (base model) |" in md and "no training" in md and "before any training" in md
+
+
 def test_compare_resumes_and_refuses_to_overwrite(run, compared):
     r = run_qevolve("compare", "--run-dir", run, "--quiet", timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [

@@ -24,6 +24,8 @@ HELP = """Compare Q-Evolve with the paper's baselines on the same data and the s
 \b
 From RUN_DIR of `qevolve evolve` (its expert table, iteration-1 rollouts, base
 model, BC policy and evaluation settings):
+  Zero-shot  the base model, untrained (only a pretrained base: not a random
+             init-model --size model)
   SFT        the run's BC policy
   RFT        policy --objective rft from the base model (expert + successful
              iteration-1 rollouts, the run's BC settings)

@@ -46,19 +46,23 @@ from qevolve_cli.evolve.compare_table import (  # noqa: F401 - mean_se, paired_b
 )
 from qevolve_cli.evolve.select import DEFAULT_BC_CANDIDATES, DEFAULT_ETO_CANDIDATES, check_grid
 
-ARMS = ("sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
+ARMS = ("zero_shot", "sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
 ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
 ETO_NLL_WEIGHT = 1.0  # RPO (Pang et al. 2024) and TRL's rpo_alpha recommendation: DPO + 1.0 x NLL(chosen)
-ARM_NAMES = {"sft": "SFT", "rft": "RFT", "eto": "ETO", "best_of_n": "Best-of-N", "qevolve": "Q-Evolve",
+ARM_NAMES = {"zero_shot": "Zero-shot (base model)", "sft": "SFT", "rft": "RFT", "eto": "ETO", "best_of_n": "Best-of-N",
+             "qevolve": "Q-Evolve",
              "qevolve_oracle_v": "Q-Evolve (oracle V)"}
 
 
 @dataclass
 class CompareConfig(ConfigBase):
-    arms: list[str] = field(default_factory=lambda: list(ARMS), help="Rows of the table: sft, rft, eto, best_of_n, "
-                                                                      "qevolve, qevolve_oracle_v (only where the "
-                                                                      "environment has an exact solver: dropped "
-                                                                      "from the default list elsewhere).")
+    arms: list[str] = field(default_factory=lambda: list(ARMS), help="Rows of the table: zero_shot (the base model, "
+                                                                      "no training; dropped from the default list "
+                                                                      "for a randomly initialised base), sft, rft, "
+                                                                      "eto, best_of_n, qevolve, qevolve_oracle_v "
+                                                                      "(only where the environment has an exact "
+                                                                      "solver: dropped from the default list "
+                                                                      "elsewhere).")
     best_of: int = field(6, help="N of Best-of-N (the paper: 6).", ge=2)
     bon_temperature: float | None = field(None, help="Sampling temperature of Best-of-N (default: the run's rollout "
                                                      "temperature).", ge=0)
@@ -111,6 +115,17 @@ class CompareConfig(ConfigBase):
         return PolicyConfig.from_dict(d, source="compare config: eto")
 
 
+def default_arms(env: str, base_model: str | Path) -> list[str]:
+    """The rows of a comparison when none are named: every arm, less Q-Evolve (oracle V) where the environment
+    has no exact solver and less the zero-shot row where the base model was initialised at random
+    (``init-model --size``: it scores nothing before training, so the row would only cost evaluation time)."""
+    from qevolve_cli.envs.oracle import has_solver
+    from qevolve_cli.models import random_init
+
+    return [a for a in ARMS if (a != "qevolve_oracle_v" or has_solver(env))
+            and (a != "zero_shot" or not random_init(base_model))]
+
+
 def step_note(ecfg) -> str:
     """``, AWR step`` in the Q-Evolve rows' names of a run whose policy step is not the paper's BPPO."""
     return f", {ecfg.policy_step.upper()} step" if ecfg.policy_step != "bppo" else ""
@@ -155,15 +170,15 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     if not cfg_path.exists():
         raise QevolveError(f"{run}: not a qevolve evolve run directory (no config.yaml)")
     ecfg = EvolveConfig.from_dict(yaml.safe_load(cfg_path.read_text()), source=cfg_path)
-    if "qevolve_oracle_v" in ccfg.arms and not has_solver(ecfg.env):
-        if ccfg.arms != list(ARMS):  # named by the user: say why it cannot be
-            raise QevolveError(f"arms: qevolve_oracle_v needs an exact solver, and {ecfg.env!r} has none (solvers: "
-                               f"{', '.join(SOLVERS)})")
-        ccfg = ccfg.replace(arms=[a for a in ccfg.arms if a != "qevolve_oracle_v"])
     evolve_run = RunDir(run)
     plan = Plan(ecfg, run)
     P = lambda rel: run / rel if not Path(rel).is_absolute() else Path(rel)  # noqa: E731
     expert, base, bc = P(plan.expert()), P(plan.base_model()), P(plan.policy(0))
+    if ccfg.arms == list(ARMS):  # the default list: only the rows that mean something for this run
+        ccfg = ccfg.replace(arms=default_arms(ecfg.env, base))
+    elif "qevolve_oracle_v" in ccfg.arms and not has_solver(ecfg.env):  # named by the user: say why it cannot be
+        raise QevolveError(f"arms: qevolve_oracle_v needs an exact solver, and {ecfg.env!r} has none (solvers: "
+                           f"{', '.join(SOLVERS)})")
     rollout = run / "iter_1" / "rollout.parquet"
     for what, p in (("expert table", expert), ("BC policy", bc), ("iteration-1 rollouts", rollout)):
         if not p.exists():
@@ -214,7 +229,7 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
         v_cfg = validation_config(ecfg, 1)
 
     # ---- training arms
-    policies: dict[str, Path] = {"sft": bc, "best_of_n": bc}
+    policies: dict[str, Path] = {"zero_shot": base, "sft": bc, "best_of_n": bc}
     if k_last:
         policies["qevolve"] = run / plan.policy(k_last)
     if ccfg.select_on_validation and "rft" in ccfg.arms:
@@ -371,7 +386,7 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     expert_steps = schema.read_table(expert, validate_rows=False).height
     rollout_steps = {k: schema.read_table(run / f"iter_{k}" / "rollout.parquet", validate_rows=False).height
                      for k in range(1, (k_last or 1) + 1) if (run / f"iter_{k}" / "rollout.parquet").exists()}
-    self_steps = {"sft": 0, "best_of_n": 0, "rft": rollout_steps.get(1, 0), "eto": rollout_steps.get(1, 0),
+    self_steps = {"zero_shot": 0, "sft": 0, "best_of_n": 0, "rft": rollout_steps.get(1, 0), "eto": rollout_steps.get(1, 0),
                   "qevolve_oracle_v": rollout_steps.get(1, 0),
                   "qevolve": sum(rollout_steps.get(k, 0) for k in range(1, k_last + 1))}
     rows = []
@@ -397,7 +412,8 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
         elif arm == "qevolve_oracle_v" and step:
             name = f"Q-Evolve (oracle V{step})"
         row: dict[str, Any] = {"arm": arm, "method": name, "oracle": arm in ("best_of_n", "qevolve_oracle_v"),
-                               "expert_steps": expert_steps, "self_play_steps": self_steps[arm],
+                               "expert_steps": 0 if arm == "zero_shot" else expert_steps,
+                               "self_play_steps": self_steps[arm],
                                "eval_steps": int(sum(int(m.get("env_steps", 0)) for m in results[arm].values())),
                                "scores": {}}
         for split, m in results[arm].items():
@@ -423,6 +439,8 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
             row["selection_note"] = "BC as chosen for SFT; no training of its own"
         if arm == "eto" and eto_note:
             row["selection_note"] = eto_note
+        if arm == "zero_shot":
+            row["selection_note"] = "no training"
         rows.append(row)
     table = {"run": str(run), "env": ecfg.env, "seed": ecfg.seed, "splits": list(ecfg.eval_splits),
              "columns": [f"{ecfg.env}/{s}" for s in ecfg.eval_splits], "best_of": ccfg.best_of,

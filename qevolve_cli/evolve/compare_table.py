@@ -122,9 +122,11 @@ def table_markdown(table: dict[str, Any]) -> str:
             cells.append("–" if s is None or s.get("avg_reward") is None else f"{100 * s['avg_reward']:.1f}")
         lines.append(f"| {r['method']} | " + " | ".join(cells) + f" | {r['self_play_steps']} | {r['eval_steps']} | "
                      f"{budget_text(r.get('budget', []))} | {selection_text(r)} |")
+    expert = max((r["expert_steps"] for r in table["rows"]), default=0)
     notes = [f"Average final reward x100 (the paper's metric); {table['env']}, seed {table['seed']}, "
-             f"expert demonstrations: {table['rows'][0]['expert_steps'] if table['rows'] else 0} env steps "
-             "(used by every arm)."]
+             f"expert demonstrations: {expert} env steps (used by every trained arm)."]
+    if any(r["arm"] == "zero_shot" for r in table["rows"]):
+        notes.append("Zero-shot is the base model before any training (no demonstration, no self-play).")
     if any(r["arm"] == "qevolve_oracle_v" for r in table["rows"]):
         notes.append("Q-Evolve (oracle V) is iteration 1's policy step on the exact optimal values V* from the "
                      "environment's solver instead of the learned critic's: the critic's ceiling, not a deployable "

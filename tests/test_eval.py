@@ -183,3 +183,40 @@ def test_eval_best_of_n_on_lamps_is_marked_oracle(tiny_model_dir: Path, tmp_path
     bad = run_qevolve("eval", "--env", "lamps", "--policy", model, "--split", "test_seen", "--best-of", "2",
                       "--critic", tmp_path, "--candidates", "2", "--out", tmp_path / "x.parquet", *FAST)
     assert bad.returncode == 2 and "cannot be combined with --critic" in bad.stderr
+
+
+def test_eval_of_a_lora_policy_directory_is_its_base_plus_the_adapter(react_model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA policy (what `policy --lora` and `--preset cpu-smol` write: adapter_config.json, no config.json) is
+    evaluated as its base model plus the adapter, exactly as `--policy BASE --adapter DIR`; an adapter that does
+    not name its base is one line naming the file and field."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(react_model_dir))
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                           init_lora_weights=False))  # random B: the adapter changes the outputs
+    ad = tmp_path / "lora_policy"
+    lora.save_pretrained(str(ad))
+    AutoTokenizer.from_pretrained(str(react_model_dir)).save_pretrained(str(ad))
+    assert (ad / "adapter_config.json").is_file() and not (ad / "config.json").exists()
+    assert json.loads((ad / "adapter_config.json").read_text())["base_model_name_or_path"] == str(react_model_dir)
+
+    def actions(*policy_args: str | Path) -> list[str]:
+        out = tmp_path / f"ev{len(list(tmp_path.glob('ev*.parquet')))}.parquet"
+        run_qevolve("eval", "--env", "textcraft", *policy_args, "--split", "test_seen", "--max-tasks", "2",
+                    "--max-steps", "3", "--out", out, *FAST, check=True)
+        return pl.read_parquet(out).sort(["traj_id", "step"])["action"].to_list()
+
+    own = actions("--policy", ad)
+    assert own == actions("--policy", react_model_dir, "--adapter", ad)
+    assert own != actions("--policy", react_model_dir)  # the adapter was applied, not dropped
+    cfg = json.loads((ad / "adapter_config.json").read_text())
+    (ad / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": None}))
+    res = run_qevolve("eval", "--env", "textcraft", "--policy", ad, "--split", "test_seen", "--max-tasks", "1",
+                      "--out", tmp_path / "bad.parquet", *FAST)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"error: {ad / 'adapter_config.json'}: field 'base_model_name_or_path' is empty: the adapter does not say its "
+        f"base model; pass it as --policy BASE --adapter {ad}"]
+    assert not (tmp_path / "bad.parquet").exists()

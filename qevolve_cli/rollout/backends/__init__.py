@@ -75,16 +75,40 @@ from qevolve_cli.rollout.backends.vllm import (
 __all__ = [
     "BACKENDS", "END_OF_TURN_TOKENS", "VLLM_MISSING", "Backend", "HFBackend", "OpenAIBackend", "PerRequestSampler",
     "Request", "VLLMBackend", "_check_adapter_dir", "_check_cpu_head_size", "_check_model_dir", "_cuda_available",
-    "_first_line", "_model_max_context", "_preallocated_cache", "KVStore", "common_prefix_len", "load_tokenizer", "make_backend", "stop_token_ids",
+    "_first_line", "_model_max_context", "_preallocated_cache", "KVStore", "common_prefix_len", "load_tokenizer", "make_backend", "split_adapter",
+    "stop_token_ids",
     "vllm_cpu_defaults", "vllm_quiet_logging",
 ]
+
+
+def split_adapter(policy: str | Path, adapter: str | Path | None) -> tuple[str | Path, str | Path | None]:
+    """``(base model, adapter)`` for a policy directory with ``adapter_config.json`` and no ``config.json`` (the
+    base is the adapter's ``base_model_name_or_path``); anything else is returned as it is."""
+    import json
+
+    p = Path(policy)
+    if adapter is not None or not (p / "adapter_config.json").is_file() or (p / "config.json").is_file():
+        return policy, adapter
+    cfg = p / "adapter_config.json"
+    try:
+        base = json.loads(cfg.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise QevolveError(f"{cfg}: not readable as JSON ({_first_line(e)})") from None
+    if not base:
+        raise QevolveError(f"{cfg}: field 'base_model_name_or_path' is empty: the adapter does not say its base "
+                           "model; pass it as --policy BASE --adapter " + str(p))
+    return base, p
 
 
 def make_backend(name: str, policy: str | Path, adapter: str | Path | None = None, *, base_url: str | None = None,
                  served_model: str | None = None, max_context: int = 0, max_new_tokens: int = 256,
                  seed: int = 0, device: str = "auto", dtype: str = "auto", batch_size: int = 64,
                  timeout_s: float = 120.0, threads: int = 0, kv_reuse: bool = True, kv_cache_mb: int = 2048) -> Backend:
-    """Build a backend by name (``hf``, ``vllm``, ``openai``)."""
+    """Build a backend by name (``hf``, ``vllm``, ``openai``). A ``policy`` directory that holds only a PEFT
+    adapter (a LoRA policy of ``qevolve policy``, e.g. ``--preset cpu-smol``'s) is played as its base model
+    plus that adapter (:func:`split_adapter`)."""
+    if name in ("hf", "vllm"):
+        policy, adapter = split_adapter(policy, adapter)
     if name == "hf":
         return HFBackend(policy, adapter, device=device, dtype=dtype, max_context=max_context,
                          max_new_tokens=max_new_tokens, batch_size=batch_size, threads=threads, kv_reuse=kv_reuse,

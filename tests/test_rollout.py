@@ -142,6 +142,9 @@ def test_rollout_resume_after_kill(react_model_dir: Path, tmp_path: Path) -> Non
                 break
         time.sleep(0.2)
     assert proc.poll() is None, f"rollout ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    # frozen (not ended) while the second process starts: on a busy machine the second one's start-up took
+    # longer than the first one's remaining episodes, and the first finished before it could be refused
+    os.killpg(proc.pid, signal.SIGSTOP)
     # a second `rollout --resume` on the same output is refused at once, naming the holder; the journal is kept
     second = run_qevolve(*args, "--resume")
     assert proc.poll() is None, "the first rollout ended while the second one started"

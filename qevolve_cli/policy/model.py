@@ -3,11 +3,11 @@ it, save it back as a directory that transformers and vLLM load. torch, transfor
 inside the functions."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.models import adapter_base
 from qevolve_cli.policy.config import PolicyConfig
 
 
@@ -33,10 +33,10 @@ def load_causal_lm(path: str | Path, trainable_lora: bool = False, what: str = "
     p = check_model_dir(path, what)
     kw = dict(dtype=torch.float32, trust_remote_code=False, use_safetensors=True)
     try:
-        if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
+        base_path = adapter_base(p)
+        if base_path is not None:
             from peft import PeftModel
 
-            base_path = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
             if not base_path:
                 raise QevolveError(f"{p}/adapter_config.json: no base_model_name_or_path")
             base = AutoModelForCausalLM.from_pretrained(base_path, **kw)

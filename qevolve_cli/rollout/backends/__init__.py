@@ -43,6 +43,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.models import adapter_base
 from qevolve_cli.rollout.backends.base import (
     BACKENDS,
     END_OF_TURN_TOKENS,
@@ -84,16 +85,16 @@ __all__ = [
 def split_adapter(policy: str | Path, adapter: str | Path | None) -> tuple[str | Path, str | Path | None]:
     """``(base model, adapter)`` for a policy directory with ``adapter_config.json`` and no ``config.json`` (the
     base is the adapter's ``base_model_name_or_path``); anything else is returned as it is."""
-    import json
-
-    p = Path(policy)
-    if adapter is not None or not (p / "adapter_config.json").is_file() or (p / "config.json").is_file():
+    if adapter is not None:
         return policy, adapter
+    p = Path(policy)
     cfg = p / "adapter_config.json"
     try:
-        base = json.loads(cfg.read_text()).get("base_model_name_or_path")
+        base = adapter_base(p)
     except (OSError, ValueError) as e:
         raise QevolveError(f"{cfg}: not readable as JSON ({_first_line(e)})") from None
+    if base is None:
+        return policy, adapter
     if not base:
         raise QevolveError(f"{cfg}: field 'base_model_name_or_path' is empty: the adapter does not say its base "
                            "model; pass it as --policy BASE --adapter " + str(p))

@@ -36,6 +36,17 @@ actions is reported), and success. Target (issue 31): best arm >= 4x the fp32 re
     nice -n 10 python benchmarks/bench_rollout.py --model smollm2            # 8 tasks, ~15 min on 2 cores
     nice -n 10 python benchmarks/bench_rollout.py --model smollm2 --arms fp32_reuse,bf16_reuse
 
+``--model smollm2 --backends hf_one,hf_batched,vllm`` (issue 28) compares generation backends on a real model:
+greedy eval of ``--policy`` (a SmolLM2 directory, or a LoRA policy of ``--preset cpu-smol`` such as a run's
+``bc/policy``) on the first ``--tasks`` (16) lamps ``test_seen`` tasks, fp32, each arm in its own process (its
+peak RSS is its own): ``hf_one`` one episode and one sequence per generate call (ETO's way, the baseline),
+``hf_batched`` the ``cpu-smol`` setting (32 live episodes decoded together on both threads) and ``vllm`` the
+same 32 episodes through vLLM's engine. Env steps/s, generated tokens/s, CPU s per step, peak RSS, and
+whether the greedy actions equal the baseline's.
+
+    ~/.cache/qevolve/vllm-venv/bin/python benchmarks/bench_rollout.py --model smollm2 \
+        --backends hf_one,hf_batched,vllm --policy RUN/bc/policy
+
 With ``--backend vllm`` the model is ``init-model --size tiny64`` (head size 64, which vLLM's kernels
 take; same width and FLOPs as ``tiny``), and every mode uses one vLLM engine (float32; on CPU eager and
 in-process, see docs/rollout.md). ``--modes`` picks a subset of the modes.
@@ -168,6 +179,94 @@ def smollm2(args) -> None:
     print(json.dumps(result))
 
 
+# --model smollm2 --backends: (backend, workers, envs_per_worker, lanes, hf threads); "one" is ETO's way of
+# playing (one episode, one sequence per generate call), "batched" the cpu-smol preset's setting (32 live
+# episodes decoded together on both threads), "vllm" the same 32 episodes through vLLM's engine
+SMOL_BACKENDS = {"hf_one": ("hf", 1, 1, 1, 2), "hf_batched": ("hf", 2, 16, 1, 2), "vllm": ("vllm", 2, 16, 1, 2)}
+
+
+def smol_backend_arm(args) -> None:
+    """One arm of ``--backends`` in this process (the parent runs each in a fresh one: own peak RSS)."""
+    import resource
+
+    from qevolve_cli.envs.pool import EnvPool
+    from qevolve_cli.rollout.backends import make_backend, vllm_cpu_defaults, vllm_quiet_logging
+    from qevolve_cli.rollout.config import RolloutConfig
+    from qevolve_cli.rollout.evaluate import run_eval
+
+    name, workers, epw, lanes, threads = SMOL_BACKENDS[args.one_arm]
+    if name == "vllm":
+        vllm_cpu_defaults()
+        vllm_quiet_logging()
+    cfg = RolloutConfig(env="lamps", split="test_seen", max_tasks=args.tasks or 16, device="cpu", dtype="float32",
+                        eval_temperature=0.0, workers=workers, envs_per_worker=epw, lanes=lanes, threads=threads,
+                        max_new_tokens=40, max_steps=16, max_context=2048)
+    t0 = time.perf_counter()  # model load / engine start and worker start-up: paid once per run, not timed
+    backend = make_backend(name, args.policy, device="cpu", dtype="float32", max_context=cfg.max_context,
+                           max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size, threads=threads,
+                           kv_reuse=True, kv_cache_mb=cfg.kv_cache_mb)
+    load_s = time.perf_counter() - t0
+    with EnvPool("lamps", workers=workers, envs_per_worker=epw) as pool:
+        t0, c0 = time.perf_counter(), time.process_time()
+        m = run_eval(cfg, args.policy, Path(args.out), backend=backend, pool=pool)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    backend.close()
+    st, be = m["stats"], m["stats"].get("backend", {})
+    steps = max(1, st["steps"])
+    gen = (st.get("generated_tokens_per_step") or 0) * steps
+    out = {"backend": name, "workers": workers, "envs_per_worker": epw, "lanes": lanes, "threads": threads,
+           "env_steps": st["steps"], "wall_s": round(wall, 1), "load_s": round(load_s, 1),
+           "steps_per_s": round(st["steps"] / wall, 3), "generated_tokens_per_s": round(gen / wall, 1),
+           "cpu_s_per_step": round(cpu / steps, 3),
+           "prompt_tokens_per_step": round(be.get("prompt_tokens", 0) / steps, 1),
+           "computed_prompt_tokens_per_step": st.get("prefill_tokens_per_step"),
+           "generated_tokens_per_step": st.get("generated_tokens_per_step"),
+           # ru_maxrss: KiB on Linux; this process only (the lamps workers are small separate processes)
+           "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+           "success_rate": m["success_rate"], "avg_reward": m["avg_reward"]}
+    print(json.dumps(out))
+
+
+def smol_backends(args) -> None:
+    """Greedy lamps eval of a SmolLM2 policy: one sequence at a time vs batched hf vs vLLM (see the module doc)."""
+    import subprocess
+
+    import polars as pl
+
+    arms = [a for a in args.backends.split(",") if a]
+    unknown = sorted(set(arms) - set(SMOL_BACKENDS))
+    if unknown:
+        raise SystemExit(f"--backends: unknown arm {unknown[0]!r} (choose from {', '.join(SMOL_BACKENDS)})")
+    if "hf_one" not in arms:
+        arms.insert(0, "hf_one")  # the baseline always runs
+    n_tasks = args.tasks or 16
+    result: dict = {"benchmark": "rollout_smollm2_backends", "cpu_count": os.cpu_count(), "env": "lamps",
+                    "split": "test_seen", "tasks": n_tasks, "policy": str(args.policy), "dtype": "float32",
+                    "greedy": True, "python": sys.executable, "loadavg_start": os.getloadavg(), "arms": {}}
+    actions: dict[str, dict[str, list[str]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-smolbk-") as td:
+        for arm in arms:
+            out = Path(td) / f"{arm}.parquet"
+            cmd = [sys.executable, __file__, "--model", "smollm2", "--one-arm", arm, "--policy", str(args.policy),
+                   "--tasks", str(n_tasks), "--out", str(out)]
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            if p.returncode != 0:
+                result["arms"][arm] = {"error": f"exit {p.returncode} (its stderr is above)"}
+                continue
+            result["arms"][arm] = json.loads(p.stdout.strip().splitlines()[-1])
+            table = pl.read_parquet(out).sort(["traj_id", "step"])
+            actions[arm] = {k: g["action"].to_list() for (k,), g in table.group_by("traj_id", maintain_order=True)}
+            print(f"{arm}: {json.dumps(result['arms'][arm])}", file=sys.stderr, flush=True)
+    base = result["arms"].get("hf_one", {})
+    for arm, r in result["arms"].items():
+        if "error" in r or "error" in base:
+            continue
+        r["speedup_vs_hf_one"] = round(r["steps_per_s"] / base["steps_per_s"], 2)
+        r["actions_vs_hf_one"] = action_agreement(actions["hf_one"], actions[arm])
+    result["loadavg_end"] = os.getloadavg()
+    print(json.dumps(result))
+
+
 def vllm_prefix(args) -> None:
     """Greedy lamps eval with vLLM, automatic prefix caching on vs off, same run (see the module doc)."""
     from qevolve_cli.rollout.backends import VLLMBackend, vllm_cpu_defaults, vllm_quiet_logging
@@ -253,6 +352,13 @@ def main() -> None:
                     help="tiny: the worker-pool modes below; smollm2: the issue-31 precision x KV-reuse arms")
     ap.add_argument("--smol-dir", default="/tmp/perf-smol/fp32", help="converted SmolLM2 (made when missing)")
     ap.add_argument("--arms", default=",".join(SMOL_ARMS), help="--model smollm2: comma list of arms")
+    ap.add_argument("--backends", default=None,
+                    help="--model smollm2: comma list of " + ", ".join(SMOL_BACKENDS) + " (greedy eval of --policy, "
+                    "one process per arm; run with the vLLM venv's python for the vllm arm)")
+    ap.add_argument("--policy", default="/tmp/perf-smol/fp32",
+                    help="--backends: the policy (a model directory or a LoRA policy directory)")
+    ap.add_argument("--one-arm", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smaller size (8 tasks x 4 steps)")
     ap.add_argument("--envs", default="textcraft,sciworld")
     ap.add_argument("--tasks", type=int, default=None)
@@ -271,6 +377,12 @@ def main() -> None:
         if args.backend != "vllm":
             raise SystemExit("--prefix-caching: needs --backend vllm")
         vllm_prefix(args)
+        return
+    if args.model == "smollm2" and args.one_arm:
+        smol_backend_arm(args)
+        return
+    if args.model == "smollm2" and args.backends:
+        smol_backends(args)
         return
     if args.model == "smollm2":
         smollm2(args)

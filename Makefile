@@ -82,9 +82,10 @@ install: setup
 	@case ":$(USER_PATH):" in *":$(BINDIR):"*) ;; \
 	  *) echo "$(BINDIR) is not on your PATH: add  export PATH=\"$(BINDIR):\$$PATH\"  to your shell profile" >&2 ;; esac
 
-# The main suite uses about one core on average (most tests wait on one single-threaded subprocess),
-# so the vLLM tests run beside it on the second core: their output is kept in $(CACHE)/test-vllm.log
-# and printed when the main suite ends; either failing fails `make test`.
+# Most tests wait on one single-threaded subprocess, so the main suite runs on TEST_WORKERS pytest
+# workers (pytest-xdist; each test file stays on one worker, so its module fixtures are built once) and
+# the vLLM tests run beside it: their output is kept in $(CACHE)/test-vllm.log and printed when the
+# main suite ends; either failing fails `make test`.
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \
@@ -99,8 +100,9 @@ test: setup test-rust
 test-rust:
 	cargo test -q -p qevolve_core
 
+TEST_WORKERS ?= 2
 test-py: setup
-	$(PY) -m pytest -q tests -m "not vllm"
+	$(PY) -m pytest -q tests -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # the tests marked `vllm` run in the vLLM venv, the checkout on PYTHONPATH (the abi3 extension
 # loads there too); on CPU the engine needs a KV-cache size and runs in-process (3 s start-up

@@ -119,3 +119,49 @@ def test_missing_package_is_one_line(tmp_path):
     assert not (tmp_path / "m").exists() and os.listdir(tmp_path / "empty") == []
     bad = run_qevolve("init-model", "--from", "gpt-5", "--out", tmp_path / "x")
     assert bad.returncode == 2 and "unknown model 'gpt-5'" in bad.stderr
+
+
+def test_a_conversion_in_progress_is_waited_for_and_then_read(smollm2_dir, tmp_path):
+    """Two conversions at once (two `init-model`s, parallel test workers) must not replace the cache while
+    the other copies out of it: the second waits on the cache's lock, then reads what the first wrote.
+    The test holds the lock (as a converting process does), sees init-model block on it (/proc/locks),
+    fills the cache with the converted model plus a marker file, releases: init-model copies that
+    directory, marker included, and converts nothing."""
+    import fcntl
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, qevolve_env
+
+    from qevolve_cli.models.pretrained import FORMAT, source
+
+    src = source("smollm2-135m-instruct")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = cache / f"{src.name}-{src.version}-fp32-v{FORMAT}"
+    env = qevolve_env()
+    env["QEVOLVE_MODEL_CACHE"] = str(cache)
+    with open(cache / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-m", "qevolve_cli", "init-model", "--from", "smollm2-135m-instruct",
+                                 "--out", str(tmp_path / "out"), "--quiet"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            # a blocked flock waiter is listed in /proc/locks as "N: -> FLOCK ... WRITE <pid> ..."
+            while not any("->" in ln and f" {proc.pid} " in ln for ln in open("/proc/locks")):
+                assert proc.poll() is None, f"init-model did not wait for the lock: {proc.stderr.read()}"
+                assert time.monotonic() < deadline, "init-model never reached the cache lock"
+                time.sleep(0.2)
+            assert sorted(p.name for p in cache.iterdir()) == [f".{target.name}.lock"]  # nothing converted
+            shutil.copytree(smollm2_dir, target)
+            (target / "MARKER").write_text("written by the first converter\n")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "out" / "MARKER").read_text() == "written by the first converter\n"
+    assert (target / "MARKER").is_file()  # the cache was read, not replaced by a second conversion
+    assert (tmp_path / "out" / "config.json").read_bytes() == (smollm2_dir / "config.json").read_bytes()

@@ -21,6 +21,7 @@ for the package: a documented way to point the finder elsewhere (the tests use a
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -155,8 +156,18 @@ def cached(name: str, dtype: str = "fp32", search_path: list[str] | None = None)
     target = cache_root() / f"{src.name}-{src.version}-{dtype}-v{FORMAT}"
     if (target / "qevolve_model.json").is_file():
         return target
-    with atomic_dir(target) as tmp:
-        _convert(src, gguf, Path(tmp), dtype)
+    # Two processes converting at once (two `init-model`s, parallel test workers): the second waits for
+    # the first's conversion and then reads it, instead of replacing the directory while the first copies
+    # out of it. A blocking flock, dropped by the kernel however its holder ends.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (target / "qevolve_model.json").is_file():
+                with atomic_dir(target) as tmp:
+                    _convert(src, gguf, Path(tmp), dtype)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return target
 
 

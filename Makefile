@@ -100,12 +100,9 @@ test: setup test-rust
 test-rust:
 	cargo test -q -p qevolve_core
 
-# one OpenMP/MKL thread per process: the tests' models are tiny, and with two workers plus the vLLM
-# tests on two cores a second thread per process only spin-waits (measured: 5 more CPU minutes)
 TEST_WORKERS ?= 2
 test-py: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=$${MKL_NUM_THREADS:-1} \
-	  $(PY) -m pytest -q tests -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q tests -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # the tests marked `vllm` run in the vLLM venv, the checkout on PYTHONPATH (the abi3 extension
 # loads there too); on CPU the engine needs a KV-cache size and runs in-process (3 s start-up

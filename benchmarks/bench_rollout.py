@@ -85,6 +85,7 @@ def warm(pool, tasks) -> None:
     pool.release(keys)
 
 
+SMOL_DIR = "/tmp/perf-smol/fp32"  # the converted SmolLM2 of the --model smollm2 runs (made when missing)
 SMOL_ARMS = {"fp32_prefill": ("float32", False), "fp32_reuse": ("float32", True),
              "bf16_prefill": ("bfloat16", False), "bf16_reuse": ("bfloat16", True)}
 
@@ -106,21 +107,41 @@ def action_agreement(a: dict[str, list[str]], b: dict[str, list[str]]) -> dict:
             "steps_equal_before_first_difference": round(agree / max(1, total), 3)}
 
 
+def choose_arms(spec: str, known, flag: str, baseline: str) -> list[str]:
+    """The comma list ``spec`` of arms, checked against ``known``, with the baseline run first when missing."""
+    arms = [a for a in spec.split(",") if a]
+    unknown = sorted(set(arms) - set(known))
+    if unknown:
+        raise SystemExit(f"{flag}: unknown arm {unknown[0]!r} (choose from {', '.join(known)})")
+    if baseline not in arms:
+        arms.insert(0, baseline)  # the baseline always runs
+    return arms
+
+
+def episode_actions(table_path: Path) -> dict[str, list[str]]:
+    """Each episode's actions in step order, from an eval table."""
+    import polars as pl
+
+    table = pl.read_parquet(table_path).sort(["traj_id", "step"])
+    return {k: g["action"].to_list() for (k,), g in table.group_by("traj_id", maintain_order=True)}
+
+
+def ensure_smol(path: Path) -> Path:
+    """The converted SmolLM2 directory at ``path``, converted there when missing."""
+    from qevolve_cli.models.pretrained import init_pretrained
+
+    if not (path / "config.json").is_file():
+        init_pretrained("smollm2-135m-instruct", path, "fp32")
+    return path
+
+
 def smollm2(args) -> None:
     """Greedy lamps eval with SmolLM2: fp32/bf16 x re-prefill/KV reuse, same run (see the module doc)."""
-    from qevolve_cli.models.pretrained import init_pretrained
     from qevolve_cli.rollout.config import RolloutConfig
     from qevolve_cli.rollout.evaluate import run_eval
 
-    smol = Path(args.smol_dir)
-    if not (smol / "config.json").is_file():
-        init_pretrained("smollm2-135m-instruct", smol, "fp32")
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(SMOL_ARMS))
-    if unknown:
-        raise SystemExit(f"--arms: unknown arm {unknown[0]!r} (choose from {', '.join(SMOL_ARMS)})")
-    if "fp32_prefill" not in arms:
-        arms.insert(0, "fp32_prefill")  # the baseline always runs
+    smol = ensure_smol(Path(args.smol_dir))
+    arms = choose_arms(args.arms, SMOL_ARMS, "--arms", "fp32_prefill")
     n_tasks = args.tasks or 8
     result: dict = {"benchmark": "rollout_smollm2", "cpu_count": os.cpu_count(), "env": "lamps", "split": "test_seen",
                     "tasks": n_tasks, "model": "SmolLM2-135M-Instruct", "greedy": True,
@@ -145,10 +166,7 @@ def smollm2(args) -> None:
                 m = run_eval(cfg, smol, Path(td) / f"{arm}.parquet", backend=backend, pool=pool)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             backend.close()
-            import polars as pl
-
-            table = pl.read_parquet(Path(td) / f"{arm}.parquet").sort(["traj_id", "step"])
-            actions[arm] = {k: g["action"].to_list() for (k,), g in table.group_by("traj_id", maintain_order=True)}
+            actions[arm] = episode_actions(Path(td) / f"{arm}.parquet")
             st, be = m["stats"], m["stats"].get("backend", {})
             steps = max(1, st["steps"])
             result["arms"][arm] = {
@@ -231,14 +249,9 @@ def smol_backends(args) -> None:
     """Greedy lamps eval of a SmolLM2 policy: one sequence at a time vs batched hf vs vLLM (see the module doc)."""
     import subprocess
 
-    import polars as pl
-
-    arms = [a for a in args.backends.split(",") if a]
-    unknown = sorted(set(arms) - set(SMOL_BACKENDS))
-    if unknown:
-        raise SystemExit(f"--backends: unknown arm {unknown[0]!r} (choose from {', '.join(SMOL_BACKENDS)})")
-    if "hf_one" not in arms:
-        arms.insert(0, "hf_one")  # the baseline always runs
+    arms = choose_arms(args.backends, SMOL_BACKENDS, "--backends", "hf_one")
+    if args.policy == SMOL_DIR:  # the default: SmolLM2 itself (a path the user named is never written)
+        ensure_smol(Path(SMOL_DIR))
     n_tasks = args.tasks or 16
     result: dict = {"benchmark": "rollout_smollm2_backends", "cpu_count": os.cpu_count(), "env": "lamps",
                     "split": "test_seen", "tasks": n_tasks, "policy": str(args.policy), "dtype": "float32",
@@ -254,8 +267,7 @@ def smol_backends(args) -> None:
                 result["arms"][arm] = {"error": f"exit {p.returncode} (its stderr is above)"}
                 continue
             result["arms"][arm] = json.loads(p.stdout.strip().splitlines()[-1])
-            table = pl.read_parquet(out).sort(["traj_id", "step"])
-            actions[arm] = {k: g["action"].to_list() for (k,), g in table.group_by("traj_id", maintain_order=True)}
+            actions[arm] = episode_actions(out)
             print(f"{arm}: {json.dumps(result['arms'][arm])}", file=sys.stderr, flush=True)
     base = result["arms"].get("hf_one", {})
     for arm, r in result["arms"].items():
@@ -350,13 +362,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
                     help="tiny: the worker-pool modes below; smollm2: the issue-31 precision x KV-reuse arms")
-    ap.add_argument("--smol-dir", default="/tmp/perf-smol/fp32", help="converted SmolLM2 (made when missing)")
+    ap.add_argument("--smol-dir", default=SMOL_DIR, help="converted SmolLM2 (made when missing)")
     ap.add_argument("--arms", default=",".join(SMOL_ARMS), help="--model smollm2: comma list of arms")
     ap.add_argument("--backends", default=None,
                     help="--model smollm2: comma list of " + ", ".join(SMOL_BACKENDS) + " (greedy eval of --policy, "
                     "one process per arm; run with the vLLM venv's python for the vllm arm)")
-    ap.add_argument("--policy", default="/tmp/perf-smol/fp32",
-                    help="--backends: the policy (a model directory or a LoRA policy directory)")
+    ap.add_argument("--policy", default=SMOL_DIR,
+                    help="--backends: the policy (a model directory or a LoRA policy directory; the default is "
+                    "SmolLM2 itself, converted there when missing)")
     ap.add_argument("--one-arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smaller size (8 tasks x 4 steps)")

@@ -116,3 +116,39 @@ def test_critic_per_sequence_equals_padded(tiny_model_dir):
     for a, b in zip(outs[True], outs[False], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert not np.isnan(float(outs[True][2]))
+
+
+def test_a_loaded_critic_scores_one_row_at_a_time_on_cpu(tiny_model_dir, tmp_path):
+    """CriticModel.load takes batch_layout as training does (auto: per sequence on CPU, where the padded
+    forward's mask forces the unfused attention kernel); `qevolve label --critic` scores a padded batch of
+    unequal trajectories the same either way."""
+    from qevolve_cli.critic.config import load_critic_config
+    from qevolve_cli.critic.model import CriticModel
+    from qevolve_cli.critic.score import score_items
+
+    cfg = load_critic_config(None, None, {"lora_rank": 4, "head_hidden": 16, "device": "cpu", "dtype": "float32"})
+    critic = CriticModel.create(tiny_model_dir, cfg)
+    with torch.no_grad():
+        for n, p in critic.backbone.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    critic.save(tmp_path / "critic")
+    auto = CriticModel.load(tmp_path / "critic", device="cpu")
+    padded = CriticModel.load(tmp_path / "critic", device="cpu", batch_layout="padded")
+    assert auto.per_sequence and not padded.per_sequence
+    assert CriticModel.load(tmp_path / "critic", device="cpu", batch_layout="per_sequence").per_sequence
+
+    from qevolve_cli.critic.data import TrajItem
+
+    def item(n, steps, seed, first_row):
+        g = np.random.default_rng(seed)
+        pos_s = np.linspace(2, n - 3, steps).astype(np.int64)
+        return TrajItem(f"t{seed}", g.integers(3, critic.backbone.config.vocab_size, n).astype(np.int64), pos_s,
+                        pos_s + 1, np.minimum(pos_s + 2, n - 1), np.arange(first_row, first_row + steps))
+
+    items = [item(60, 4, 0, 0), item(23, 2, 1, 4), item(41, 3, 2, 6)]
+    got = {name: score_items(m, items, 9, 0, torch.device("cpu"), 8)
+           for name, m in (("auto", auto), ("padded", padded))}
+    for k in ("value", "next_value", "q_value"):
+        assert np.abs(got["auto"][k]).sum() > 0
+        np.testing.assert_allclose(got["auto"][k], got["padded"][k], atol=1e-5, rtol=1e-5)

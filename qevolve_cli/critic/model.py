@@ -140,8 +140,12 @@ class CriticModel(nn.Module):
 
     @classmethod
     def load(cls, critic_dir: str | Path, base_model: str | Path | None = None, device: str | torch.device = "auto",
-             dtype: str | torch.dtype = "auto", trainable: bool = False) -> CriticModel:
-        """Load a saved critic; the base model comes from ``critic.json`` unless ``base_model`` is given."""
+             dtype: str | torch.dtype = "auto", trainable: bool = False, batch_layout: str = "auto") -> CriticModel:
+        """Load a saved critic; the base model comes from ``critic.json`` unless ``base_model`` is given.
+
+        ``batch_layout`` as in training (:func:`qevolve_cli.training.batching.per_sequence_layout`): ``auto``
+        scores a padded batch one row at a time on CPU, where the padded forward's attention mask forces
+        the unfused attention kernel (quadratic memory in the trajectory's length)."""
         from peft import PeftModel
         from safetensors.torch import load_file
 
@@ -164,6 +168,7 @@ class CriticModel(nn.Module):
         peft_model.load_adapter(str(ad / "q"), adapter_name="q", is_trainable=trainable)
         peft_model.load_adapter(str(ad / "q_target"), adapter_name="q_target", is_trainable=trainable)
         model = cls(peft_model, int(meta["hidden_size"]), int(meta["head_hidden"]), str(base_dir))
+        model.per_sequence = per_sequence_layout(batch_layout, dev.type)
         model.heads.to(device=dev, dtype=torch.float32)
         state = load_file(str(d / HEADS_FILE), device=str(dev))
         missing = model.heads.load_state_dict(state, strict=False)

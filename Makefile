@@ -102,7 +102,7 @@ test-rust:
 
 TEST_WORKERS ?= 2
 test-py: setup
-	$(PY) -m pytest -q tests -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q tests -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # the tests marked `vllm` run in the vLLM venv, the checkout on PYTHONPATH (the abi3 extension
 # loads there too); on CPU the engine needs a KV-cache size and runs in-process (3 s start-up

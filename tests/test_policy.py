@@ -252,8 +252,12 @@ def test_output_directory_is_a_loadable_model_with_config_and_curves(trained):
 
 
 def test_cli_bc_lora_adapter_lowers_nll(table, tiny_model_dir, tmp_path):
-    out = tmp_path / "bc"
-    p = run_qevolve("policy", "--objective", "bc", "--data", table, "--model", tiny_model_dir, "--out", out,
+    import shutil
+
+    run = tmp_path / "run"  # a run directory holding its base model, as `qevolve evolve` makes
+    shutil.copytree(tiny_model_dir, run / "base_model")
+    out = run / "bc"
+    p = run_qevolve("policy", "--objective", "bc", "--data", table, "--model", run / "base_model", "--out", out,
                     "--lora", "--lr", "1e-2", "--epochs", "6", "--set", "lora_r=4", "--set", "micro_batch_size=2",
                     "--json", "--quiet", timeout=600)
     assert p.returncode == 0, p.stderr
@@ -272,6 +276,23 @@ def test_cli_bc_lora_adapter_lowers_nll(table, tiny_model_dir, tmp_path):
     peft_model = AutoPeftModelForCausalLM.from_pretrained(out)
     lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
     assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b)  # the trained adapter was saved
+    # the run directory moves (another disk, another machine): PEFT's absolute base path is stale, the adapter
+    # still loads over the base beside it, in the policy loader and in the rollout backends
+    from qevolve_cli.models import adapter_base
+    from qevolve_cli.policy.model import load_causal_lm
+    from qevolve_cli.rollout.backends import split_adapter
+
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    run.rename(moved)
+    assert json.loads((moved / "bc" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(run / "base_model")
+    assert adapter_base(moved / "bc") == str((moved / "base_model").resolve())
+    assert split_adapter(moved / "bc", None) == (str((moved / "base_model").resolve()), moved / "bc")
+    merged = load_causal_lm(moved / "bc")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,34 @@ def adapter_base(model: str | Path) -> str | None:
     p = Path(model)
     if not (p / "adapter_config.json").is_file() or (p / "config.json").is_file():
         return None
-    return json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    if base and not Path(base).exists():  # a moved run directory: the base where it lies beside the adapter now
+        try:
+            rel = json.loads((p / ADAPTER_BASE_FILE).read_text()).get("base_model_relative")
+        except (OSError, ValueError, AttributeError):
+            rel = None
+        if isinstance(rel, str) and rel and (p / rel).is_dir():
+            return str((p / rel).resolve())
+    return base
+
+
+ADAPTER_BASE_FILE = "qevolve_adapter.json"
+
+
+def record_adapter_base(adapter_dir: str | Path) -> None:
+    """Beside a saved adapter, ``qevolve_adapter.json``: where its base model directory lies relative to the
+    adapter. PEFT records the base's absolute path (``base_model_name_or_path``, left as it is for PEFT and
+    vLLM users); when a run directory moves (another disk, another machine), :func:`adapter_base` finds the base
+    through this relative path instead. Nothing is written for a Hub id."""
+    import json
+    import os
+
+    p = Path(adapter_dir)
+    base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    if base and Path(base).is_dir():
+        rel = os.path.relpath(Path(base).resolve(), p.resolve())
+        (p / ADAPTER_BASE_FILE).write_text(json.dumps({"base_model": base, "base_model_relative": rel}, indent=1)
+                                           + "\n")
 
 
 def random_init(model: str | Path) -> bool:

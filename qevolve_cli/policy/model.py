@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.errors import QevolveError
-from qevolve_cli.models import adapter_base
+from qevolve_cli.models import adapter_base, record_adapter_base
 from qevolve_cli.policy.config import PolicyConfig
 
 
@@ -75,6 +75,7 @@ def save_model(model, tok, out_dir: Path, cfg: PolicyConfig, init_dtype, state: 
 
     if cfg.lora:
         model.save_pretrained(str(out_dir), safe_serialization=True, state_dict=state)
+        record_adapter_base(out_dir)  # the base found again when the run directory moves
     else:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.save_dtype)
         if dtype is None:

@@ -1,0 +1,120 @@
+"""Step credit of a run's learned critic against the exact one (docs/compare.md, "Where the learned credit
+goes wrong"), on environments with an exact solver (lamps, lamps-hard, lamps-habit).
+
+For each `qevolve evolve` run directory, on its iteration-1 advantage table (`iter_1/advantages.parquet`:
+the learned V of the run's critic), every trajectory is replayed in the environment and each step gets the
+exact advantage (GAE over V*, the solver's optimal value with the steps left, docs/critic.md "Oracle
+values"). A step is *optimal* when its exact advantage is 0 (it keeps the fewest commands to the goal in
+reach). Printed (JSON), per value source:
+
+* ``within_traj_corr``: correlation of the advantages with the exact ones after each trajectory's mean is
+  taken out: the credit to single steps, with the outcome removed;
+* ``failed.auc_optimal``: in the failed self-play trajectories, the chance that an optimal step gets a
+  higher advantage than a suboptimal one (0.5: no step credit; below 0.5: inverted);
+* ``failed.corr_step``: correlation of the advantage with the step index in the failed trajectories;
+* ``successful.auc_optimal``, ``mean_advantage`` of failed / successful self-play steps.
+
+Value sources: ``learned`` (the run's V, GAE with lambda in ``--lambdas``), ``exact`` (V*), and exact
+tabular weighted IQL on the run's own transitions (the critic's fixed point with a perfect function
+approximator, :func:`qevolve_cli.tabular.tabular_iql`) with the full state (``tabular_time``) and with the
+steps left dropped from the state (``tabular_no_time``: what a critic that cannot see the step budget
+could learn at best).
+
+    python benchmarks/bench_credit.py runs/hab-s0 runs/hab-s1 ...   # JSON on stdout
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qevolve_cli import schema  # noqa: E402
+from qevolve_cli.envs.oracle import oracle_value, replay  # noqa: E402
+from qevolve_cli.rewards import process_rewards  # noqa: E402
+from qevolve_cli.tabular import tabular_iql  # noqa: E402
+
+
+def auc(pos, neg) -> float | None:
+    """P(a random ``pos`` value > a random ``neg`` one), ties counted half."""
+    p, n = np.asarray(pos, float), np.asarray(neg, float)
+    if not len(p) or not len(n):
+        return None
+    return float((p[:, None] > n[None, :]).mean() + 0.5 * (p[:, None] == n[None, :]).mean())
+
+
+def with_values(df: pl.DataFrame, v: list[float], nv: list[float], gamma: float, lam: float) -> pl.Series:
+    d = df.with_columns(pl.Series("value", v, pl.Float32), pl.Series("next_value", nv, pl.Float32))
+    return process_rewards(d, "gae", gamma, lam)
+
+
+def credit(df: pl.DataFrame, a: pl.Series, a_exact: pl.Series) -> dict:
+    """The measures of the module docstring for advantages ``a`` against ``a_exact`` (row-aligned with ``df``)."""
+    m = df.select("traj_id", "step", "source", "success").with_columns(
+        a.alias("a"), a_exact.alias("a_x"), (a_exact > -1e-6).alias("opt"))
+    m = m.with_columns((pl.col("a") - pl.col("a").mean().over("traj_id")).alias("a_w"),
+                       (pl.col("a_x") - pl.col("a_x").mean().over("traj_id")).alias("a_x_w"))
+    out: dict = {"within_traj_corr": round(float(m.select(pl.corr("a_x_w", "a_w")).item()), 3)}
+    self_play = m.filter(pl.col("source") == "self")
+    for name, part in (("failed", self_play.filter(~pl.col("success"))),
+                       ("successful", self_play.filter(pl.col("success")))):
+        au = auc(part.filter(pl.col("opt"))["a"], part.filter(~pl.col("opt"))["a"])
+        c = part.select(pl.corr("a", "step")).item() if part.height > 2 else None
+        out[name] = {"trajectories": part["traj_id"].n_unique(), "steps": part.height,
+                     "optimal_share": round(float(part["opt"].mean()), 3) if part.height else None,
+                     "auc_optimal": None if au is None else round(au, 3),
+                     "corr_step": None if c is None or c != c else round(float(c), 3),
+                     "mean_advantage": round(float(part["a"].mean()), 4) if part.height else None}
+    return out
+
+
+def run_credit(run: Path, lambdas: list[float], gamma: float, lam: float, expectile: float) -> dict:
+    df = schema.sort_steps(pl.read_parquet(run / "iter_1" / "advantages.parquet"))
+    recs = replay(df, source=run / "iter_1" / "advantages.parquet")
+    done = df["done"].to_list()
+    v_x = [oracle_value(r["d"], r["left"], gamma) for r in recs]
+    nv_x = [0.0 if dn else oracle_value(r["next_d"], r["next_left"], gamma) for r, dn in zip(recs, done, strict=True)]
+    a_x = with_values(df, v_x, nv_x, gamma, lam)
+    out: dict = {"run": str(run), "env": df["env"][0], "trajectories": df["traj_id"].n_unique(), "steps": df.height,
+                 "gamma": gamma, "lambda": lam, "exact": credit(df, a_x, a_x), "learned": {}}
+    for lm in lambdas:
+        out["learned"][f"lambda_{lm:g}"] = credit(df, process_rewards(df, "gae", gamma, lm), a_x)
+    # the learned V along the failed trajectories against V* (does V see the budget run out?)
+    f = df.with_columns(pl.Series("v_exact", v_x)).filter((pl.col("source") == "self") & ~pl.col("success"))
+    if f.height:
+        q = (pl.col("step") * 4 // (pl.col("step").max() + 1)).alias("quarter")
+        g = f.group_by(q).agg(pl.col("value").mean(), pl.col("v_exact").mean()).sort("quarter")
+        out["failed_value_by_quarter"] = {"learned": [round(x, 3) for x in g["value"].to_list()],
+                                          "exact": [round(x, 3) for x in g["v_exact"].to_list()]}
+    r = [a + b for a, b in zip(df["reward_env"].cast(pl.Float64).to_list(), df["reward_aux"].cast(pl.Float64).to_list(),
+                               strict=True)]
+    w = df["weight"].cast(pl.Float64).to_list()
+    for name, key in (("tabular_time", lambda s: s), ("tabular_no_time", lambda s: s[:3])):
+        tr = [(key(rec["state"]), rec["command"], ri, key(rec["next_state"]), bool(dn))
+              for rec, ri, dn in zip(recs, r, done, strict=True)]
+        V, _ = tabular_iql(tr, gamma, expectile, weights=w, tol=1e-9)
+        v = [V.get(key(rec["state"]), 0.0) for rec in recs]
+        nv = [0.0 if dn else V.get(key(rec["next_state"]), 0.0) for rec, dn in zip(recs, done, strict=True)]
+        out[name] = credit(df, with_values(df, v, nv, gamma, lam), a_x)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="qevolve evolve run directories (iteration 1 labelled)")
+    ap.add_argument("--lambdas", type=float, nargs="+", default=[0.0, 0.5, 0.95], help="GAE lambdas of the learned V")
+    ap.add_argument("--gamma", type=float, default=0.95)
+    ap.add_argument("--lam", type=float, default=0.95, help="lambda of the exact and tabular rows (the runs' own)")
+    ap.add_argument("--expectile", type=float, default=0.7, help="expectile of the tabular IQL rows")
+    a = ap.parse_args()
+    res = [run_credit(r, a.lambdas, a.gamma, a.lam, a.expectile) for r in a.runs]
+    print(json.dumps({"bench": "credit", "runs": res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -149,11 +149,21 @@ class ConfigBase:
     #: left out of :meth:`hash`, so runs started before an opt-in option existed still resume
     SELECT_FIELDS: ClassVar[tuple[str, ...]] = ()
 
+    #: fields added after runs were made with the class: left out of :meth:`hash` while they hold their
+    #: default, so those runs still resume (a non-default value is a new configuration)
+    HASH_OMIT_AT_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
     def hash(self) -> str:
         d = self.to_dict()
         if self.SELECT_FIELDS and not getattr(self, self.SELECT_FIELDS[0]):
             for k in self.SELECT_FIELDS:
                 d.pop(k, None)
+        if self.HASH_OMIT_AT_DEFAULT:
+            defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+                        for f in dataclasses.fields(self)}
+            for k in self.HASH_OMIT_AT_DEFAULT:
+                if d.get(k) == defaults[k]:
+                    d.pop(k, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @classmethod

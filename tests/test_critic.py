@@ -329,3 +329,64 @@ def test_model_loads_print_no_transformers_bar(tiny_model_dir, capfd, loader):
         assert "Loading weights" not in err and "it/s" not in err, err
     finally:
         hf_logging.disable_progress_bar()
+
+
+def test_time_input_feeds_the_step_index_to_the_heads(tiny_model_dir, tmp_path):
+    """time_input: step (a time-aware critic): every head takes t / time_scale as one more input, V(s') is
+    read at t + 1, the scale survives save / load, and the new fields leave older runs' config hashes alone."""
+    cfg = CriticConfig(**SMALL, time_input="step", time_scale=8.0)
+    c = CriticModel.create(tiny_model_dir, cfg)
+    assert c.time_scale == 8.0 and c.heads["v"].net[0].in_features == c.hidden_size + 1
+    assert CriticModel.create(tiny_model_dir, CriticConfig(**SMALL)).heads["v"].net[0].in_features == c.hidden_size
+    x = torch.zeros(1, 2, c.hidden_size)
+    with pytest.raises(ValueError, match="step index"):
+        c.head("v", x)
+    with torch.no_grad():  # V a function of t alone: the hidden-state weights of its first layer zeroed
+        c.heads["v"].net[0].weight[:, : c.hidden_size] = 0.0
+        c.heads["v"].net[0].weight[:, c.hidden_size] = 1.0
+        c.heads["v"].net[0].bias.zero_()
+        c.heads["v"].net[2].weight.fill_(1.0)
+    t = torch.tensor([[0.0, 4.0]])
+    v = c.head("v", x, t)
+    assert v[0, 1] > v[0, 0]  # GELU(t / 8) summed: rises with t
+    tok = load_tokenizer(tiny_model_dir)
+    c.save(tmp_path / "critic", tok)
+    df = labelled(n_traj=3, mean_steps=5)
+    sc = schema.sort_steps(score_table(df, tmp_path / "critic", device="cpu"))
+    loaded = CriticModel.load(tmp_path / "critic", device="cpu")
+    assert loaded.time_scale == 8.0
+    for _, g in sc.group_by("traj_id", maintain_order=True):
+        val, nxt, done, step = (g[k].to_list() for k in ("value", "next_value", "done", "step"))
+        assert step == list(range(len(step)))
+        # V depends on t only: V(s_{k+1}) read as next_value at step k (t + 1) equals value at step k + 1 (t)
+        for k in range(len(val) - 1):
+            assert nxt[k] == pytest.approx(val[k + 1], abs=1e-6)
+        assert val == sorted(val) and val[-1] > val[0]
+        assert done[-1] and nxt[-1] == 0.0
+    # time_input steps_left: the table's steps_left column (one fewer at s'), a one-line error without it
+    sl_cfg = CriticConfig(**SMALL, time_input="steps_left", time_scale=8.0)
+    c2 = CriticModel.create(tiny_model_dir, sl_cfg)
+    with torch.no_grad():
+        c2.heads["v"].load_state_dict(c.heads["v"].state_dict())
+    c2.save(tmp_path / "critic_sl", tok)
+    with pytest.raises(TableError, match="column 'steps_left': missing column"):
+        score_table(df, tmp_path / "critic_sl", device="cpu")
+    n = df.group_by("traj_id").len().rename({"len": "T"})
+    df_sl = schema.sort_steps(df.join(n, on="traj_id").with_columns((pl.col("T") + 3 - pl.col("step")).alias("steps_left"))
+                              .drop("T"))
+    sc2 = schema.sort_steps(score_table(df_sl, tmp_path / "critic_sl", device="cpu"))
+    assert CriticModel.load(tmp_path / "critic_sl", device="cpu").time_input == "steps_left"
+    for _, g in sc2.group_by("traj_id", maintain_order=True):
+        val, nxt = g["value"].to_list(), g["next_value"].to_list()
+        for k in range(len(val) - 1):
+            assert nxt[k] == pytest.approx(val[k + 1], abs=1e-6)
+        assert val == sorted(val, reverse=True) and val[0] > val[-1]  # fewer steps left, lower (this) V
+    # hashes: the new fields at their defaults are left out (runs made before them resume), not otherwise
+    import dataclasses
+    import hashlib
+
+    plain = CriticConfig(**SMALL)
+    d = dataclasses.asdict(plain)
+    d.pop("time_input"), d.pop("time_scale")
+    assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert cfg.hash() != plain.hash() and CriticConfig(**SMALL, time_scale=8.0).hash() != plain.hash()

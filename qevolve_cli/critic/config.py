@@ -20,6 +20,8 @@ from qevolve_cli.rewards import CRITIC_REDUCTIONS
 
 @dataclass
 class CriticConfig(ConfigBase):
+    HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale")  # added 2026-11-27: older runs resume
+
     # optimisation
     epochs: int = field(20, help="Passes over the trajectories (paper: 20 in iteration 1, 2 in iteration 2).", ge=1)
     lr: float = field(1e-5, help="Learning rate of the LoRA adapters (paper: 1e-5; 5e-6 in iteration 2 on SciWorld/WebShop).", gt=0)
@@ -62,6 +64,15 @@ class CriticConfig(ConfigBase):
         help="Modules that get LoRA adapters (PEFT names; ['all-linear'] = every linear layer but the LM head).",
     )
     head_hidden: int = field(256, help="Hidden width of the MLP heads g_v, g_q1, g_q2.", ge=1)
+    time_input: str = field("none", help="none: the heads see the pooled state only (the paper); step: the step "
+                                         "index t of the state (t + 1 for s'); steps_left: the table's steps_left "
+                                         "column, the steps the episode has left before its step limit (one fewer "
+                                         "for s'). Divided by time_scale, it is one more input of every head, so "
+                                         "that V can fall as an episode's budget runs out (a time-aware value; "
+                                         "docs/critic.md, 'Time input').",
+                            choices=("none", "step", "steps_left"))
+    time_scale: float = field(16.0, help="Divisor of the step index when time_input is step (about the episodes' "
+                                         "step limit).", gt=0)
     max_length: int | None = field(None, help="Longest tokenised trajectory (null: the tokenizer's maximum); longer steps are skipped.", gt=0)
     # hardware
     device: str = field("auto", help="auto (cuda if available), cpu or cuda.", choices=("auto", "cpu", "cuda"))

@@ -42,6 +42,7 @@ class TrajItem:
     done: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     weight: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     usable: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # step fits max_length
+    step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the table's step index t of each step
 
     @property
     def n_steps(self) -> int:
@@ -58,7 +59,7 @@ WINDOW_COLUMNS = ("pos_s", "pos_sa", "pos_next", "seq_len", "window", "dropped_t
 
 
 def build_items(df: pl.DataFrame, tokenizer: Any, max_length: int | None = None,
-                source: Any = None) -> list[TrajItem]:
+                source: Any = None, time_column: str = "step") -> list[TrajItem]:
     """One item per tokenised sequence: a trajectory, or one window of it when prefix indexing truncated it.
 
     Positions come from the table when ``qevolve label --tokenizer`` indexed it (columns
@@ -67,8 +68,16 @@ def build_items(df: pl.DataFrame, tokenizer: Any, max_length: int | None = None,
     come from :func:`qevolve_cli.prefix.tokenize_trajectories` (each trajectory tokenised once).
     Steps whose sequence is longer than ``max_length`` are marked not ``usable`` (training skips
     them; scoring still forwards them whole). ``TrajItem.rows`` index the rows of ``df``.
+    ``TrajItem.step`` holds the column ``time_column`` (``step``, or ``steps_left`` for a critic whose heads
+    take the steps left, CriticConfig.time_input).
     """
     from qevolve_cli.prefix import OUT_COLUMNS, add_prefix_positions, tokenize_trajectories
+
+    if time_column not in df.columns:
+        raise TableError(source, time_column, "missing column: the critic's time input reads it (time_input; "
+                                              "docs/critic.md, 'Time input')")
+    if df[time_column].null_count():
+        raise TableError(source, time_column, f"{df[time_column].null_count()} null values")
 
     frame = df.with_row_index("_row")
     if not all(c in df.columns for c in WINDOW_COLUMNS):
@@ -102,6 +111,7 @@ def build_items(df: pl.DataFrame, tokenizer: Any, max_length: int | None = None,
             input_ids=ids, pos_s=s, pos_sa=sa, pos_next=nx,
             rows=part["_row"].to_numpy().astype(np.int64),
             usable=np.full(part.height, len(ids) <= limit),
+            step=part[time_column].to_numpy().astype(np.int64),
         ))
     return items
 
@@ -167,6 +177,7 @@ class Batch:
     weight: Any  # (B, K) float
     step_mask: Any  # (B, K) bool
     steps: list[tuple[int, np.ndarray]]  # (item index, step indices) per row
+    t: Any = None  # (B, K) float: TrajItem.step of each state (the heads' time input; CriticModel.next_time for s')
 
     @property
     def n_steps(self) -> int:
@@ -200,7 +211,7 @@ def collate(items: list[TrajItem], picks: list[tuple[int, np.ndarray]], pad_id: 
     ids = np.full((B, L), pad_id, np.int64)
     att = np.zeros((B, L), np.int64)
     per = {k: np.zeros((B, K), np.int64) for k in ("pos_s", "pos_sa", "pos_next")}
-    fl = {k: np.zeros((B, K), np.float32) for k in ("reward", "done", "weight")}
+    fl = {k: np.zeros((B, K), np.float32) for k in ("reward", "done", "weight", "t")}
     mask = np.zeros((B, K), bool)
     for b, ((i, idx), n) in enumerate(zip(rows, lengths, strict=True)):
         it = items[i]
@@ -213,6 +224,7 @@ def collate(items: list[TrajItem], picks: list[tuple[int, np.ndarray]], pad_id: 
         fl["reward"][b, :k] = it.reward[idx] if len(it.reward) else 0.0
         fl["done"][b, :k] = it.done[idx] if len(it.done) else 0.0
         fl["weight"][b, :k] = it.weight[idx] if len(it.weight) else 1.0
+        fl["t"][b, :k] = it.step[idx] if len(it.step) else idx
         mask[b, :k] = True
     t = lambda a, dt: torch.as_tensor(a, dtype=dt, device=device)  # noqa: E731
     return Batch(
@@ -221,6 +233,7 @@ def collate(items: list[TrajItem], picks: list[tuple[int, np.ndarray]], pad_id: 
         pos_next=t(per["pos_next"], torch.long),
         reward=t(fl["reward"], torch.float32), done=t(fl["done"], torch.float32),
         weight=t(fl["weight"], torch.float32), step_mask=t(mask, torch.bool), steps=rows,
+        t=t(fl["t"], torch.float32),
     )
 
 

@@ -85,13 +85,19 @@ def _load_base(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
 class CriticModel(nn.Module):
     """Frozen backbone + adapters value / q / q_target + heads; see the module docstring."""
 
-    def __init__(self, peft_model: Any, hidden_size: int, head_hidden: int, base_path: str):
+    def __init__(self, peft_model: Any, hidden_size: int, head_hidden: int, base_path: str, time_scale: float = 0.0,
+                 time_input: str = "none"):
         super().__init__()
         self.backbone = peft_model
         self.hidden_size = hidden_size
         self.head_hidden = head_hidden
         self.base_path = base_path
-        self.heads = nn.ModuleDict({h: MLPHead(hidden_size, head_hidden) for h in HEADS})
+        # CriticConfig.time_input: the heads take TrajItem.step / time_scale as one more input ("step": the step
+        # index, "steps_left": the steps left before the episode's limit); time_scale 0 = none
+        self.time_input = time_input if time_scale > 0 else "none"
+        self.time_scale = float(time_scale) if self.time_input != "none" else 0.0
+        d_in = hidden_size + (1 if self.time_scale > 0 else 0)
+        self.heads = nn.ModuleDict({h: MLPHead(d_in, head_hidden) for h in HEADS})
         self._active: str | None = None
         self._trainable: list[nn.Parameter] = []
         self.per_sequence = False  # one forward per row of a padded batch (batch_layout; see pooled)
@@ -132,7 +138,9 @@ class CriticModel(nn.Module):
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
             base.train()  # HF checkpoints only in training mode (the backbone has no active dropout by default)
-        model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model))
+        time_input = getattr(cfg, "time_input", "none")
+        model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model),
+                    float(cfg.time_scale) if time_input != "none" else 0.0, time_input)
         model.per_sequence = per_sequence_layout(getattr(cfg, "batch_layout", "padded"), device.type)
         model.heads.to(device=device, dtype=torch.float32)
         model.hard_update_target()
@@ -167,7 +175,8 @@ class CriticModel(nn.Module):
         peft_model = PeftModel.from_pretrained(base, str(ad / "value"), adapter_name="value", is_trainable=trainable)
         peft_model.load_adapter(str(ad / "q"), adapter_name="q", is_trainable=trainable)
         peft_model.load_adapter(str(ad / "q_target"), adapter_name="q_target", is_trainable=trainable)
-        model = cls(peft_model, int(meta["hidden_size"]), int(meta["head_hidden"]), str(base_dir))
+        model = cls(peft_model, int(meta["hidden_size"]), int(meta["head_hidden"]), str(base_dir),
+                    float(meta.get("time_scale", 0.0)), str(meta.get("time_input", "none")))
         model.per_sequence = per_sequence_layout(batch_layout, dev.type)
         model.heads.to(device=dev, dtype=torch.float32)
         state = load_file(str(d / HEADS_FILE), device=str(dev))
@@ -187,7 +196,8 @@ class CriticModel(nn.Module):
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.heads.state_dict().items()}
         save_file(state, str(out / HEADS_FILE), metadata={"format": "pt"})
         meta = {"format": "qevolve-critic/1", "base_model": self.base_path, "hidden_size": self.hidden_size,
-                "head_hidden": self.head_hidden, "adapters": list(ADAPTERS), "heads": list(HEADS),
+                "head_hidden": self.head_hidden, "time_input": self.time_input, "time_scale": self.time_scale,
+                "adapters": list(ADAPTERS), "heads": list(HEADS),
                 "pooling": "last-token at pos_s (value), pos_sa (q, q_target), pos_next (value)"}
         meta.update(extra_meta or {})
         (out / CRITIC_META).write_text(json.dumps(meta, indent=2) + "\n")
@@ -268,5 +278,21 @@ class CriticModel(nn.Module):
         h = self.hidden(adapter, input_ids, attention_mask)
         return [pool_last_token(h, p).float() for p in positions]
 
-    def head(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def time_column(self) -> str:
+        """The table column the heads' time input comes from (``step`` when the critic has none: unused)."""
+        return "steps_left" if self.time_input == "steps_left" else "step"
+
+    def next_time(self, t: torch.Tensor) -> torch.Tensor:
+        """The time input of s' from that of s: one step later, or one step fewer left."""
+        return t - 1 if self.time_input == "steps_left" else t + 1
+
+    def head(self, name: str, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        """Head ``name`` on pooled states ``x`` (B, K, d) -> (B, K). ``t`` (B, K): the step index of each state,
+        an input of the head when the critic is time-aware (``time_scale`` > 0), ignored otherwise."""
+        if self.time_scale > 0:
+            if t is None:
+                raise ValueError(f"head {name!r}: this critic takes the step index as an input (time_input: "
+                                 f"{self.time_input})")
+            x = torch.cat([x, (t.to(x.dtype) / self.time_scale).unsqueeze(-1)], dim=-1)
         return self.heads[name](x)

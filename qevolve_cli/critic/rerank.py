@@ -26,6 +26,10 @@ class CriticReranker:
         from qevolve_cli.critic.score import load_critic
 
         self.model, self.tokenizer = load_critic(critic_dir, device=device)
+        if self.model.time_scale > 0:
+            raise QevolveError(f"--critic {critic_dir}: a time-aware critic (time_input: "
+                               f"{self.model.time_input}) cannot rerank yet: "
+                               "the chooser does not know the episode's step index; train it with time_input: none")
         self.pad_id = pad_id_of(self.tokenizer)
         self.device = next(self.model.heads.parameters()).device
 

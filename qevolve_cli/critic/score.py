@@ -42,7 +42,7 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
             tokenizer = load_tokenizer(critic.base_path, require_chat_template=True)
         else:
             tokenizer = load_tokenizer(critic, require_chat_template=True)
-    items = build_items(df, tokenizer, max_length=None)
+    items = build_items(df, tokenizer, max_length=None, time_column=model.time_column)
     dev = next(model.heads.parameters()).device
     outs = ("value", "next_value", "q_value") if with_q else ("value", "next_value")
     got = score_items(model, items, df.height, pad_id_of(tokenizer), dev, batch_size, outs, progress)
@@ -83,13 +83,13 @@ def score_items(model: Any, items: list, n_rows: int, pad_id: int, device: Any, 
             got = {}
             if "value" in cols or "next_value" in cols:
                 h_s, h_next = model.pooled("value", b.input_ids, b.attention_mask, b.pos_s, b.pos_next)
-                got["value"], got["next_value"] = model.head("v", h_s), model.head("v", h_next)
+                got["value"], got["next_value"] = model.head("v", h_s, b.t), model.head("v", h_next, model.next_time(b.t))
             if "q1" in cols or "q2" in cols:
                 (h_sa,) = model.pooled("q", b.input_ids, b.attention_mask, b.pos_sa)
-                got["q1"], got["q2"] = model.head("q1", h_sa), model.head("q2", h_sa)
+                got["q1"], got["q2"] = model.head("q1", h_sa, b.t), model.head("q2", h_sa, b.t)
             if "q_value" in cols:
                 (h_sat,) = model.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
-                got["q_value"] = torch.minimum(model.head("q1_target", h_sat), model.head("q2_target", h_sat))
+                got["q_value"] = torch.minimum(model.head("q1_target", h_sat, b.t), model.head("q2_target", h_sat, b.t))
             for r, (i, steps) in enumerate(b.steps):
                 rows = items[i].rows[steps]
                 for k in cols:

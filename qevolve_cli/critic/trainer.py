@@ -96,9 +96,9 @@ class CriticTrainer:
         c, cfg = self.critic, self.cfg
         with torch.no_grad():
             (h_next,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_next)
-            v_next = c.head("v", h_next)
+            v_next = c.head("v", h_next, c.next_time(b.t))
         (h_sa,) = c.pooled("q", b.input_ids, b.attention_mask, b.pos_sa)
-        q1, q2 = c.head("q1", h_sa), c.head("q2", h_sa)
+        q1, q2 = c.head("q1", h_sa, b.t), c.head("q2", h_sa, b.t)
         y = td_target(b.reward, b.done, v_next, cfg.gamma)
         loss = critic_q_loss(q1, q2, y, b.weight, b.step_mask, cfg.reduction)
         self.q.step(loss * self.loss_scale)
@@ -112,9 +112,9 @@ class CriticTrainer:
         c, cfg = self.critic, self.cfg
         with torch.no_grad():
             (h_sa,) = c.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
-            qt1, qt2 = c.head("q1_target", h_sa), c.head("q2_target", h_sa)
+            qt1, qt2 = c.head("q1_target", h_sa, b.t), c.head("q2_target", h_sa, b.t)
         (h_s,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s)
-        v = c.head("v", h_s)
+        v = c.head("v", h_s, b.t)
         loss = critic_v_loss(v, qt1, qt2, b.weight, b.step_mask, cfg.expectile, cfg.reduction)
         self.v.step(loss * self.loss_scale)
         m = b.step_mask
@@ -323,7 +323,8 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     t_start = time.perf_counter()
     df, source = load_table(data)
     tok = tokenizer if tokenizer is not None else load_tokenizer(model, require_chat_template=True)
-    items = build_items(df, tok, cfg.max_length, source)
+    items = build_items(df, tok, cfg.max_length, source,
+                        time_column="steps_left" if cfg.time_input == "steps_left" else "step")
     attach_targets(items, df, cfg, source)
     skipped_steps = int(sum((~it.usable).sum() for it in items))
     items = [it for it in items if it.usable.any()]

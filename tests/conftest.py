@@ -70,6 +70,16 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     os.replace(tmp, out)
 
 
+def load_benchmark(name: str):
+    """The module ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def qevolve_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -1,21 +1,15 @@
 """benchmarks/bench_credit.py: the credit measures against hand-computed cases."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import polars as pl
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_credit", ROOT / "benchmarks" / "bench_credit.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_credit")
 
 
 def test_auc_counts_pairs_and_ties(bench):

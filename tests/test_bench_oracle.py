@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +11,14 @@ import yaml
 
 from qevolve_cli.config import dump_yaml
 from qevolve_cli.evolve.config import resolve
+from tests.conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_oracle", ROOT / "benchmarks" / "bench_oracle.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_oracle")
 
 
 def test_arm_suffixes(bench):

@@ -4,13 +4,14 @@ goes wrong"), on environments with an exact solver (lamps, lamps-hard, lamps-hab
 For each `qevolve evolve` run directory, on its iteration-1 advantage table (`iter_1/advantages.parquet`:
 the learned V of the run's critic), every trajectory is replayed in the environment and each step gets the
 exact advantage (GAE over V*, the solver's optimal value with the steps left, docs/critic.md "Oracle
-values"). A step is *optimal* when its exact advantage is 0 (it keeps the fewest commands to the goal in
-reach). Printed (JSON), per value source:
+values"). A step is *optimal* when its command keeps the fewest commands to the goal in reach (exact
+one-step TD error 0), and *reachable* when the goal can still be reached from its state (V* > 0; from
+the other states every command is equally worthless). Printed (JSON), per value source:
 
 * ``within_traj_corr``: correlation of the advantages with the exact ones after each trajectory's mean is
   taken out: the credit to single steps, with the outcome removed;
-* ``failed.auc_optimal``: in the failed self-play trajectories, the chance that an optimal step gets a
-  higher advantage than a suboptimal one (0.5: no step credit; below 0.5: inverted);
+* ``failed.auc_optimal``: over the reachable steps of the failed self-play trajectories, the chance that an
+  optimal step gets a higher advantage than a suboptimal one (0.5: no step credit; below 0.5: inverted);
 * ``failed.corr_step``: correlation of the advantage with the step index in the failed trajectories;
 * ``successful.auc_optimal``, ``mean_advantage`` of failed / successful self-play steps.
 
@@ -21,18 +22,24 @@ steps left dropped from the state (``tabular_no_time``: what a critic that canno
 could learn at best).
 
     python benchmarks/bench_credit.py runs/hab-s0 runs/hab-s1 ...   # JSON on stdout
+    python benchmarks/bench_credit.py     # no run given (`make bench`): a one-iteration lamps smoke run of its own
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from qevolve_cli import schema  # noqa: E402
 from qevolve_cli.envs.oracle import oracle_value, replay  # noqa: E402
@@ -53,20 +60,26 @@ def with_values(df: pl.DataFrame, v: list[float], nv: list[float], gamma: float,
     return process_rewards(d, "gae", gamma, lam)
 
 
-def credit(df: pl.DataFrame, a: pl.Series, a_exact: pl.Series) -> dict:
-    """The measures of the module docstring for advantages ``a`` against ``a_exact`` (row-aligned with ``df``)."""
+def credit(df: pl.DataFrame, a: pl.Series, a_exact: pl.Series, opt: pl.Series, reachable: pl.Series) -> dict:
+    """The measures of the module docstring for advantages ``a`` against ``a_exact`` (row-aligned with ``df``).
+
+    ``opt``: the step's command is optimal (its exact one-step TD error r + gamma V*(s') - V*(s) is 0);
+    ``reachable``: the goal can still be reached from the state (V*(s) > 0). Where it cannot, every command is
+    optimal and none matters, so the AUCs count reachable steps only."""
     m = df.select("traj_id", "step", "source", "success").with_columns(
-        a.alias("a"), a_exact.alias("a_x"), (a_exact > -1e-6).alias("opt"))
+        a.alias("a"), a_exact.alias("a_x"), opt.alias("opt"), reachable.alias("reach"))
     m = m.with_columns((pl.col("a") - pl.col("a").mean().over("traj_id")).alias("a_w"),
                        (pl.col("a_x") - pl.col("a_x").mean().over("traj_id")).alias("a_x_w"))
     out: dict = {"within_traj_corr": round(float(m.select(pl.corr("a_x_w", "a_w")).item()), 3)}
     self_play = m.filter(pl.col("source") == "self")
     for name, part in (("failed", self_play.filter(~pl.col("success"))),
                        ("successful", self_play.filter(pl.col("success")))):
-        au = auc(part.filter(pl.col("opt"))["a"], part.filter(~pl.col("opt"))["a"])
+        r = part.filter(pl.col("reach"))
+        au = auc(r.filter(pl.col("opt"))["a"], r.filter(~pl.col("opt"))["a"])
         c = part.select(pl.corr("a", "step")).item() if part.height > 2 else None
         out[name] = {"trajectories": part["traj_id"].n_unique(), "steps": part.height,
-                     "optimal_share": round(float(part["opt"].mean()), 3) if part.height else None,
+                     "reachable_steps": r.height,
+                     "optimal_share_of_reachable": round(float(r["opt"].mean()), 3) if r.height else None,
                      "auc_optimal": None if au is None else round(au, 3),
                      "corr_step": None if c is None or c != c else round(float(c), 3),
                      "mean_advantage": round(float(part["a"].mean()), 4) if part.height else None}
@@ -75,15 +88,20 @@ def credit(df: pl.DataFrame, a: pl.Series, a_exact: pl.Series) -> dict:
 
 def run_credit(run: Path, lambdas: list[float], gamma: float, lam: float, expectile: float) -> dict:
     df = schema.sort_steps(pl.read_parquet(run / "iter_1" / "advantages.parquet"))
-    recs = replay(df, source=run / "iter_1" / "advantages.parquet")
+    rollout_cfg = run / "stages" / "rollout_1.yaml"  # self-play episodes are replayed with the rollout's step limit
+    max_steps = (yaml.safe_load(rollout_cfg.read_text()) or {}).get("max_steps") if rollout_cfg.is_file() else None
+    recs = replay(df, source=run / "iter_1" / "advantages.parquet", max_steps=max_steps)
     done = df["done"].to_list()
     v_x = [oracle_value(r["d"], r["left"], gamma) for r in recs]
     nv_x = [0.0 if dn else oracle_value(r["next_d"], r["next_left"], gamma) for r, dn in zip(recs, done, strict=True)]
     a_x = with_values(df, v_x, nv_x, gamma, lam)
+    opt = with_values(df, v_x, nv_x, gamma, 0.0) > -1e-6  # the command keeps the fewest steps to the goal
+    reach = pl.Series([x > 0 for x in v_x])
+    cr = lambda a: credit(df, a, a_x, opt, reach)  # noqa: E731
     out: dict = {"run": str(run), "env": df["env"][0], "trajectories": df["traj_id"].n_unique(), "steps": df.height,
-                 "gamma": gamma, "lambda": lam, "exact": credit(df, a_x, a_x), "learned": {}}
+                 "gamma": gamma, "lambda": lam, "exact": cr(a_x), "learned": {}}
     for lm in lambdas:
-        out["learned"][f"lambda_{lm:g}"] = credit(df, process_rewards(df, "gae", gamma, lm), a_x)
+        out["learned"][f"lambda_{lm:g}"] = cr(process_rewards(df, "gae", gamma, lm))
     # the learned V along the failed trajectories against V* (does V see the budget run out?)
     f = df.with_columns(pl.Series("v_exact", v_x)).filter((pl.col("source") == "self") & ~pl.col("success"))
     if f.height:
@@ -100,19 +118,27 @@ def run_credit(run: Path, lambdas: list[float], gamma: float, lam: float, expect
         V, _ = tabular_iql(tr, gamma, expectile, weights=w, tol=1e-9)
         v = [V.get(key(rec["state"]), 0.0) for rec in recs]
         nv = [0.0 if dn else V.get(key(rec["next_state"]), 0.0) for rec, dn in zip(recs, done, strict=True)]
-        out[name] = credit(df, with_values(df, v, nv, gamma, lam), a_x)
+        out[name] = cr(with_values(df, v, nv, gamma, lam))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", type=Path, help="qevolve evolve run directories (iteration 1 labelled)")
+    ap.add_argument("runs", nargs="*", type=Path, help="qevolve evolve run directories (iteration 1 labelled); "
+                                                       "none: a `qevolve evolve --env lamps --preset smoke` run of its own")
     ap.add_argument("--lambdas", type=float, nargs="+", default=[0.0, 0.5, 0.95], help="GAE lambdas of the learned V")
     ap.add_argument("--gamma", type=float, default=0.95)
     ap.add_argument("--lam", type=float, default=0.95, help="lambda of the exact and tabular rows (the runs' own)")
     ap.add_argument("--expectile", type=float, default=0.7, help="expectile of the tabular IQL rows")
     a = ap.parse_args()
-    res = [run_credit(r, a.lambdas, a.gamma, a.lam, a.expectile) for r in a.runs]
+    with tempfile.TemporaryDirectory(prefix="bench-credit-") as tmp:
+        runs = a.runs
+        if not runs:  # a small run of its own: the tiny model on lamps, one iteration (about a minute on 2 cores)
+            runs = [Path(tmp) / "lamps-smoke"]
+            subprocess.run([sys.executable, "-m", "qevolve_cli", "evolve", "--env", "lamps", "--preset", "smoke",
+                            "--iters", "1", "--run-dir", str(runs[0]), "--quiet"], check=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+        res = [run_credit(r, a.lambdas, a.gamma, a.lam, a.expectile) for r in runs]
     print(json.dumps({"bench": "credit", "runs": res}, indent=1))
 
 

@@ -283,8 +283,10 @@ class CriticModel(nn.Module):
         """The table column the heads' time input comes from (``step`` when the critic has none: unused)."""
         return "steps_left" if self.time_input == "steps_left" else "step"
 
-    def next_time(self, t: torch.Tensor) -> torch.Tensor:
-        """The time input of s' from that of s: one step later, or one step fewer left."""
+    def next_time(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The time input of s' from that of s: one step later, or one step fewer left (None stays None)."""
+        if t is None:
+            return None
         return t - 1 if self.time_input == "steps_left" else t + 1
 
     def head(self, name: str, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:

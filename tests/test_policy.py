@@ -366,3 +366,33 @@ def test_policy_step_on_exact_oracle_advantages_does_not_collapse(tiny_model_dir
         after[name] = optimal_logp(tmp_path / name)
     assert after["raw"] < before - 0.5, (before, after)  # as labelled: the optimal actions are pushed down too
     assert after["bppo"] > before + 0.5 and after["awr"] > before + 0.5, (before, after)
+
+
+def test_an_adopted_lora_candidate_finds_its_base_after_the_run_moves(tmp_path):
+    """evolve --select-on-validation adopts a candidate (iter_1/cand_X/policy) as iter_1/policy by hard links, one
+    level up: the adopted copy gets its own qevolve_adapter.json (the base's path from where it lies), the
+    candidate's is left alone, and both find the base once the run directory has moved."""
+    import os
+
+    from qevolve_cli.evolve.loop import _link_tree
+    from qevolve_cli.models import ADAPTER_BASE_FILE, adapter_base, record_adapter_base
+
+    run = tmp_path / "run"
+    (run / "base_model").mkdir(parents=True)
+    (run / "base_model" / "config.json").write_text("{}")
+    cand = run / "iter_1" / "cand_base" / "policy"
+    cand.mkdir(parents=True)
+    (cand / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(run / "base_model")}))
+    (cand / "adapter_model.safetensors").write_bytes(b"weights")
+    record_adapter_base(cand)
+    _link_tree(cand, run / "iter_1" / "policy")
+    adopted = run / "iter_1" / "policy"
+    assert os.path.samefile(cand / "adapter_model.safetensors", adopted / "adapter_model.safetensors")
+    assert json.loads((cand / ADAPTER_BASE_FILE).read_text())["base_model_relative"] == "../../../base_model"
+    assert json.loads((adopted / ADAPTER_BASE_FILE).read_text())["base_model_relative"] == "../../base_model"
+    moved = tmp_path / "a" / "b" / "run"
+    moved.parent.mkdir(parents=True)
+    run.rename(moved)
+    want = str((moved / "base_model").resolve())
+    assert adapter_base(moved / "iter_1" / "policy") == want
+    assert adapter_base(moved / "iter_1" / "cand_base" / "policy") == want

@@ -371,8 +371,12 @@ def _link_tree(src: Path, dst: Path) -> None:
         except OSError:
             shutil.copy2(a, b)
 
+    from qevolve_cli.models import ADAPTER_BASE_FILE, record_adapter_base
+
     with atomic_dir(dst) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True, copy_function=link)
+        if (tmp / ADAPTER_BASE_FILE).is_file():  # a LoRA policy: its base's relative path from where dst lies
+            record_adapter_base(tmp)
 
 
 def _evaluate(cfg: EvolveConfig, run: RunDir, k: int, policy: str, echo, quiet: bool) -> dict[str, Any]:

@@ -40,8 +40,10 @@ def record_adapter_base(adapter_dir: str | Path) -> None:
     base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
     if base and Path(base).is_dir():
         rel = os.path.relpath(Path(base).resolve(), p.resolve())
-        (p / ADAPTER_BASE_FILE).write_text(json.dumps({"base_model": base, "base_model_relative": rel}, indent=1)
-                                           + "\n")
+        # a new file replaces the old one: a hard-linked copy of the adapter (evolve's adopted candidate) keeps its own
+        tmp = p / f".{ADAPTER_BASE_FILE}.tmp"
+        tmp.write_text(json.dumps({"base_model": base, "base_model_relative": rel}, indent=1) + "\n")
+        os.replace(tmp, p / ADAPTER_BASE_FILE)
 
 
 def random_init(model: str | Path) -> bool:

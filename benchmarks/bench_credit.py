@@ -70,7 +70,8 @@ def credit(df: pl.DataFrame, a: pl.Series, a_exact: pl.Series, opt: pl.Series, r
         a.alias("a"), a_exact.alias("a_x"), opt.alias("opt"), reachable.alias("reach"))
     m = m.with_columns((pl.col("a") - pl.col("a").mean().over("traj_id")).alias("a_w"),
                        (pl.col("a_x") - pl.col("a_x").mean().over("traj_id")).alias("a_x_w"))
-    out: dict = {"within_traj_corr": round(float(m.select(pl.corr("a_x_w", "a_w")).item()), 3)}
+    c = m.select(pl.corr("a_x_w", "a_w")).item()
+    out: dict = {"within_traj_corr": None if c is None or c != c else round(float(c), 3)}  # NaN (constant): None
     self_play = m.filter(pl.col("source") == "self")
     for name, part in (("failed", self_play.filter(~pl.col("success"))),
                        ("successful", self_play.filter(pl.col("success")))):

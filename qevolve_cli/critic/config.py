@@ -71,7 +71,7 @@ class CriticConfig(ConfigBase):
                                          "that V can fall as an episode's budget runs out (a time-aware value; "
                                          "docs/critic.md, 'Time input').",
                             choices=("none", "step", "steps_left"))
-    time_scale: float = field(16.0, help="Divisor of the step index when time_input is step (about the episodes' "
+    time_scale: float = field(16.0, help="Divisor of the time input (step or steps_left; about the episodes' "
                                          "step limit).", gt=0)
     max_length: int | None = field(None, help="Longest tokenised trajectory (null: the tokenizer's maximum); longer steps are skipped.", gt=0)
     # hardware

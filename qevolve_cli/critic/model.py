@@ -82,6 +82,11 @@ def _load_base(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     return base
 
 
+def time_column(time_input: str) -> str:
+    """The table column of a ``CriticConfig.time_input`` (``step`` for none and step, ``steps_left``)."""
+    return "steps_left" if time_input == "steps_left" else "step"
+
+
 class CriticModel(nn.Module):
     """Frozen backbone + adapters value / q / q_target + heads; see the module docstring."""
 
@@ -138,9 +143,8 @@ class CriticModel(nn.Module):
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
             base.train()  # HF checkpoints only in training mode (the backbone has no active dropout by default)
-        time_input = getattr(cfg, "time_input", "none")
-        model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model),
-                    float(cfg.time_scale) if time_input != "none" else 0.0, time_input)
+        model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model), cfg.time_scale,
+                    cfg.time_input)
         model.per_sequence = per_sequence_layout(getattr(cfg, "batch_layout", "padded"), device.type)
         model.heads.to(device=device, dtype=torch.float32)
         model.hard_update_target()
@@ -281,7 +285,7 @@ class CriticModel(nn.Module):
     @property
     def time_column(self) -> str:
         """The table column the heads' time input comes from (``step`` when the critic has none: unused)."""
-        return "steps_left" if self.time_input == "steps_left" else "step"
+        return time_column(self.time_input)
 
     def next_time(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """The time input of s' from that of s: one step later, or one step fewer left (None stays None)."""

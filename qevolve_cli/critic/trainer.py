@@ -51,7 +51,7 @@ from qevolve_cli.config import dump_yaml
 from qevolve_cli.critic.config import CriticConfig
 from qevolve_cli.critic.data import TrajItem, attach_targets, build_items, collate, load_table, sample_steps
 from qevolve_cli.critic.heldout import evaluate_items, split_heldout
-from qevolve_cli.critic.model import CriticModel
+from qevolve_cli.critic.model import CriticModel, time_column
 from qevolve_cli.critic.optim import BranchOptimizer, deepspeed_backend
 from qevolve_cli.errors import QevolveError
 from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
@@ -323,8 +323,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     t_start = time.perf_counter()
     df, source = load_table(data)
     tok = tokenizer if tokenizer is not None else load_tokenizer(model, require_chat_template=True)
-    items = build_items(df, tok, cfg.max_length, source,
-                        time_column="steps_left" if cfg.time_input == "steps_left" else "step")
+    items = build_items(df, tok, cfg.max_length, source, time_column=time_column(cfg.time_input))
     attach_targets(items, df, cfg, source)
     skipped_steps = int(sum((~it.usable).sum() for it in items))
     items = [it for it in items if it.usable.any()]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+ADAPTER_BASE_FILE = "qevolve_adapter.json"  # beside a saved adapter: its base's path relative to it
+
 
 def adapter_base(model: str | Path) -> str | None:
     """The base model of a directory that holds only a PEFT adapter (``adapter_config.json``, no ``config.json``:
@@ -23,9 +25,6 @@ def adapter_base(model: str | Path) -> str | None:
         if isinstance(rel, str) and rel and (p / rel).is_dir():
             return str((p / rel).resolve())
     return base
-
-
-ADAPTER_BASE_FILE = "qevolve_adapter.json"
 
 
 def record_adapter_base(adapter_dir: str | Path) -> None:

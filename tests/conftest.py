@@ -35,7 +35,7 @@ def pytest_configure(config) -> None:
 FILE_SECONDS = ROOT / "tests" / "file_seconds.json"
 
 
-def test_file_of(nodeid: str) -> str:
+def file_of_nodeid(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if not cost:
         return
     median = sorted(cost.values())[len(cost) // 2]
-    items.sort(key=lambda item: -cost.get(test_file_of(item.nodeid), median))  # stable: a file keeps its order
+    items.sort(key=lambda item: -cost.get(file_of_nodeid(item.nodeid), median))  # stable: a file keeps its order
 
 
 _file_seconds: dict[str, float] = {}
@@ -55,7 +55,7 @@ _file_seconds: dict[str, float] = {}
 
 def pytest_runtest_logreport(report) -> None:
     if os.environ.get("QEVOLVE_RECORD_FILE_SECONDS"):
-        f = test_file_of(report.nodeid)
+        f = file_of_nodeid(report.nodeid)
         _file_seconds[f] = _file_seconds.get(f, 0.0) + float(report.duration)
 
 

@@ -150,10 +150,94 @@ def test_diagnose_perfect_and_flat_critics():
     assert good["failed_self_pos_adv"] == 0.0 and good["success_self_pos_adv"] == 1.0
     grp = {(g["success"], g["aux_kind"]): g for g in good["adv_by_group"]}
     assert grp[(False, "invalid")]["mean"] == pytest.approx(-0.3)
-    assert dg.verdict(good) == [] and dg.warning_line(good) is None
+    lax = {"min_per_outcome": 1}  # one trajectory of each outcome: judged only when asked to
+    assert dg.verdict(good, lax) == [] and dg.warning_line(good, thresholds=lax) is None
     flat = dg.diagnose(_frame([-0.11, -0.11, -0.11, -0.11], [0.1, 0.1, 0.1, 0.1]), gamma=0.5)
     assert flat["ev_return"] == pytest.approx(0.0, abs=1e-9) and flat["auc_v"] == 0.5
-    problems = dg.verdict(flat)
+    problems = dg.verdict(flat, lax)
     assert len(problems) == 4  # explained variance, AUC, flat V, failed steps with A > 0
-    line = dg.warning_line(flat)
+    line = dg.warning_line(flat, thresholds=lax)
     assert "\n" not in line and "--epochs" in line and "docs/critic.md" in line
+    # at the default minimum (3 per outcome) only the flat V is judged, and the line says what was not
+    assert dg.verdict(flat) == ["V is flat (sd 0.0000)"]
+    line = dg.warning_line(flat)
+    assert line.startswith("warning: the critic has not learned") and "only 1 failed of 2 trajectories" in line
+
+
+def ref_bootstrap_ci(stat, offsets, success, n_boot, seed=0):
+    """The stratified trajectory bootstrap as a plain loop (same random draws as the library's)."""
+    rng = np.random.default_rng(seed)
+    pos = [i for i, s in enumerate(success) if s]
+    neg = [i for i, s in enumerate(success) if not s]
+    vals = []
+    for _ in range(n_boot):
+        pick = list(rng.choice(pos, size=len(pos), replace=True)) + list(rng.choice(neg, size=len(neg), replace=True))
+        rows = []
+        for i in pick:
+            rows.extend(range(offsets[i], offsets[i + 1]))
+        vals.append(stat(np.array(rows)))
+    vals.sort()
+    return [float(np.quantile(vals, 0.025)), float(np.quantile(vals, 0.975))]
+
+
+def test_trajectory_bootstrap_interval_matches_a_plain_loop_and_keeps_trajectories_whole():
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1, 6, size=9)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    ok = np.array([True, False, True, True, False, True, False, True, True])
+    v = rng.normal(size=int(off[-1]))
+    row_ok = np.repeat(ok, lens)
+    stat = lambda i: dg.auc(v[i], row_ok[i])  # noqa: E731
+    got = dg.trajectory_bootstrap_ci(stat, off, ok, n_boot=300)
+    assert got == pytest.approx(ref_bootstrap_ci(stat, off, ok, 300))
+    assert got[0] <= dg.auc(v, row_ok) <= got[1]
+    # a replicate is whole trajectories, as many successful and failed ones as the slice has
+    seen = []
+    dg.trajectory_bootstrap_ci(lambda i: seen.append(i) or 0.0, off, ok, n_boot=50)
+    traj_of = np.repeat(np.arange(len(lens)), lens)
+    for i in seen:
+        copies = np.bincount(traj_of[i], minlength=len(lens)) / lens
+        assert np.all(copies == np.round(copies))  # every trajectory drawn whole, any number of times
+        assert copies[ok].sum() == ok.sum() and copies[~ok].sum() == (~ok).sum()
+    # one outcome only, or 2 of one: no interval; a perfect separator gives [1, 1]
+    assert dg.trajectory_bootstrap_ci(stat, off, np.ones(9, bool), n_boot=50) is None
+    assert dg.trajectory_bootstrap_ci(stat, off, np.arange(9) < 7, n_boot=50) is None
+    assert dg.trajectory_bootstrap_ci(stat, off, np.arange(9) < 6, n_boot=50) is not None
+    sep = row_ok.astype(float)
+    assert dg.trajectory_bootstrap_ci(lambda i: dg.auc(sep[i], row_ok[i]), off, ok, n_boot=50) == [1.0, 1.0]
+
+
+def _many(n_ok, n_failed, value_ok, value_failed):
+    """n_ok successful and n_failed failed 3-step trajectories with the given (constant) values."""
+    rows = []
+    for k in range(n_ok + n_failed):
+        good = k < n_ok
+        for t in range(3):
+            rows.append({"traj_id": f"t{k:03d}", "step": t, "source": "self", "success": good, "aux_kind": "none",
+                         "reward_env": 1.0 if (good and t == 2) else 0.0, "reward_aux": 0.0, "done": t == 2,
+                         "value": (value_ok if good else value_failed) + 0.01 * ((k * 7) % 5)})
+    return pl.DataFrame(rows)
+
+
+def test_a_slice_with_too_few_failures_is_not_judged_on_outcomes():
+    # V ranks failures above successes (AUC well under 0.6): with 2 failures held out that is not judged
+    few = dg.diagnose(_many(12, 2, 0.1, 0.5))
+    assert (few["n_success"], few["n_failed"]) == (12, 2)
+    assert few["auc_v"] < 0.6 and few["auc_v_ci"] is None and few["ev_return_ci"] is None
+    assert dg.verdict(few) == []
+    notes = dg.caveats(few)
+    assert len(notes) == 1 and "only 2 failed of 14 trajectories" in notes[0] and "AUC of V 0.0" in notes[0]
+    line = dg.warning_line(few)
+    assert line.startswith("note: cannot tell") and "heldout_fraction" in line and "\n" not in line
+    assert "(12 successful / 2 failed)" in dg.summary_line(few)
+    assert dg.verdict_text({**few, "problems": dg.verdict(few)}) == "not judged (2 failed held out)"  # report table
+    # the same critic with 3 failures held out: judged, and it fails the AUC check (interval and all)
+    many = dg.diagnose(_many(12, 3, 0.1, 0.5))
+    assert dg.caveats(many) == [] and any(p.startswith("AUC of V for success") for p in dg.verdict(many))
+    assert many["auc_v_ci"][1] < 0.6 and "auc 0.00 [0.00, 0.00]" in dg.summary_line(many)
+    assert dg.warning_line(many).startswith("warning: the critic has not learned")
+    assert "AUC of V for success 0.00 < 0.60" in dg.verdict_text(many)
+    assert dg.verdict_text(dg.diagnose(_many(12, 3, 0.5, 0.1))) == "learned"
+    # diagnostics written before the counts existed are judged as before
+    old = {k: v for k, v in few.items() if k not in ("n_success", "n_failed")}
+    assert any(p.startswith("AUC of V for success") for p in dg.verdict(old)) and dg.caveats(old) == []

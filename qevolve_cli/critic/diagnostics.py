@@ -17,10 +17,15 @@ Metrics (docs/critic.md, "Diagnostics"):
   for V(s_0) only (0.5 = chance);
 * ``v_std``       standard deviation of V(s_t) over the steps (a flat critic has ~0);
 * ``advantage``   mean advantage by source x success x aux_kind, and ``failed_self_pos_adv``:
-  the share of steps of failed self trajectories with A > 0.
+  the share of steps of failed self trajectories with A > 0;
+* ``n_success``, ``n_failed``  trajectories of each outcome, and ``auc_v_ci``, ``ev_return_ci``:
+  95 % intervals of ``auc_v`` and ``ev_return`` from resampling whole trajectories (within each
+  outcome), so a reader sees how much a held-out slice of a few trajectories can say.
 
 :func:`verdict` turns them into the problems that make ``qevolve critic`` warn (thresholds in
-:data:`THRESHOLDS`).
+:data:`THRESHOLDS`); the outcome-dependent ones (explained variance, AUC, failed steps with A > 0) are
+only judged when the slice holds ``min_per_outcome`` trajectories of each outcome, and :func:`caveats`
+says so when it does not.
 """
 from __future__ import annotations
 
@@ -37,7 +42,13 @@ THRESHOLDS = {
     "auc_v": 0.60,  # AUC of V(s_t) for success: at least (when both outcomes are held out)
     "v_std": 1e-2,  # spread of V over held-out steps: at least
     "failed_self_pos_adv": 0.50,  # share of failed self steps with A > 0: below
+    # The three outcome-dependent checks (explained variance, AUC, failed steps with A > 0) need this many
+    # trajectories of each outcome in the slice: with 2 failures held out, one trajectory decides them and a
+    # resampling interval has only 3 distinct draws of the failures (docs/critic.md "Too few held-out
+    # trajectories").
+    "min_per_outcome": 3,
 }
+BOOTSTRAP_REPLICATES = 1000
 
 
 # ---------------------------------------------------------------- pure metrics
@@ -94,6 +105,46 @@ def discounted_returns(reward: Any, offsets: Any, gamma: float) -> np.ndarray:
             acc = r[t] + gamma * acc
             g[t] = acc
     return g
+
+
+def trajectory_bootstrap_ci(stat: Any, offsets: Any, success: Any, n_boot: int = BOOTSTRAP_REPLICATES,
+                            level: float = 0.95, seed: int = 0,
+                            min_per_outcome: int = THRESHOLDS["min_per_outcome"]) -> list[float] | None:
+    """Percentile interval of ``stat(rows)`` over replicates that resample whole trajectories with replacement,
+    within each outcome (so every replicate keeps the slice's numbers of successes and failures).
+
+    ``stat``: a function of an int array of row indices returning a float or None (replicates giving None are
+    dropped); ``offsets``: (n_traj + 1,) row offsets; ``success``: (n_traj,) bool. Deterministic for a given
+    ``seed``. Large tables get fewer replicates (at least 100), and none over 200 k steps, so that
+    ``qevolve inspect`` stays quick. None when an outcome has fewer than ``min_per_outcome`` trajectories
+    (2 trajectories have 3 distinct resamples: no interval to speak of) or fewer than half of the
+    replicates give a value.
+    """
+    off = np.asarray(offsets, np.int64)
+    ok = np.asarray(success, bool)
+    if min(int(ok.sum()), int((~ok).sum())) < max(1, int(min_per_outcome)):
+        return None
+    starts, lens = off[:-1], np.diff(off)
+    budget = 20_000_000 // max(1, int(off[-1]))  # rows drawn in all: a few seconds
+    if budget < min(n_boot, 100):  # over 200 k steps (qevolve inspect of a whole buffer): narrow, and slow
+        return None
+    n_boot = int(min(n_boot, budget))
+    strata = [np.flatnonzero(ok), np.flatnonzero(~ok)]
+    rng = np.random.default_rng(seed)
+    vals = []
+    for _ in range(n_boot):
+        pick = np.concatenate([rng.choice(s, size=len(s), replace=True) for s in strata])
+        ln = lens[pick]
+        first_out = np.cumsum(ln) - ln  # where each picked trajectory starts in the replicate
+        rows = np.arange(int(ln.sum())) + np.repeat(starts[pick] - first_out, ln)
+        x = stat(rows)
+        if x is not None and np.isfinite(x):
+            vals.append(x)
+    if len(vals) < n_boot / 2:
+        return None
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(np.asarray(vals), [a, 1.0 - a])
+    return [float(lo), float(hi)]
 
 
 def expectile_loss(diff: Any, m: float) -> np.ndarray:
@@ -186,11 +237,15 @@ def diagnose(df: Any, gamma: float = 0.95, expectile: float = 0.7, shaping: bool
     first = np.zeros(df.height, bool)
     first[off[:-1]] = True
     g = discounted_returns(r, off, gamma)
+    traj_ok = success[first]
     out: dict[str, Any] = {
         "trajectories": int(len(off) - 1), "steps": int(df.height),
-        "success_rate": float(success[first].mean()) if df.height else None,
+        "success_rate": float(traj_ok.mean()) if df.height else None,
+        "n_success": int(traj_ok.sum()), "n_failed": int((~traj_ok).sum()),
         "ev_return": explained_variance(v, g),
+        "ev_return_ci": trajectory_bootstrap_ci(lambda i: explained_variance(v[i], g[i]), off, traj_ok),
         "auc_v": auc(v, success), "auc_v0": auc(v[first], success[first]),
+        "auc_v_ci": trajectory_bootstrap_ci(lambda i: auc(v[i], success[i]), off, traj_ok),
         "v_mean": float(v.mean()) if df.height else None, "v_std": float(v.std()) if df.height else None,
         "v0_success": float(v[first & success].mean()) if (first & success).any() else None,
         "v0_failed": float(v[first & ~success].mean()) if (first & ~success).any() else None,
@@ -272,32 +327,73 @@ def v_by_step(df: Any, v: np.ndarray, max_steps: int = 64) -> dict[str, list[flo
 
 # ---------------------------------------------------------------- verdict
 
-def verdict(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> list[str]:
-    """The reasons (short phrases) why the diagnostics say the critic has not learned; [] = fine."""
+def too_few(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> bool:
+    """True when the diagnostics name their outcome counts and one outcome has fewer than ``min_per_outcome``
+    trajectories (diagnostics written before the counts existed are judged as they were)."""
     th = {**THRESHOLDS, **(thresholds or {})}
+    ns, nf = d.get("n_success"), d.get("n_failed")
+    return ns is not None and nf is not None and min(ns, nf) < th["min_per_outcome"]
+
+
+def verdict(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> list[str]:
+    """The reasons (short phrases) why the diagnostics say the critic has not learned; [] = fine (or not
+    judged: see :func:`caveats`)."""
+    th = {**THRESHOLDS, **(thresholds or {})}
+    judge_outcomes = not too_few(d, th)
     bad: list[str] = []
     ev = d.get("ev_return")
-    if ev is not None and ev < th["ev_return"]:
+    if judge_outcomes and ev is not None and ev < th["ev_return"]:
         bad.append(f"explained variance of V {ev:.2f} < {th['ev_return']:.2f}")
     a = d.get("auc_v")
-    if a is not None and a < th["auc_v"]:
+    if judge_outcomes and a is not None and a < th["auc_v"]:
         bad.append(f"AUC of V for success {a:.2f} < {th['auc_v']:.2f}")
     sd = d.get("v_std")
     if sd is not None and sd < th["v_std"]:
         bad.append(f"V is flat (sd {sd:.4f})")
     fp = d.get("failed_self_pos_adv")
-    if fp is not None and fp >= th["failed_self_pos_adv"]:
+    if judge_outcomes and fp is not None and fp >= th["failed_self_pos_adv"]:
         bad.append(f"{100 * fp:.0f}% of failed self steps get A > 0")
     return bad
 
 
-def warning_line(d: dict[str, Any], where: str = "held-out") -> str | None:
-    """One line for stderr when the critic has not learned (None when it looks fine)."""
-    bad = verdict(d)
-    if not bad:
-        return None
-    return (f"warning: the critic has not learned ({where}: {'; '.join(bad)}): train longer (--epochs, with "
-            "--set early_stop_patience=... to stop at convergence) or raise --lr; see docs/critic.md#diagnostics")
+def caveats(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> list[str]:
+    """What the diagnostics could not judge, as short phrases: [] when every check was made."""
+    th = {**THRESHOLDS, **(thresholds or {})}
+    if not too_few(d, th):
+        return []
+    ns, nf = int(d["n_success"]), int(d["n_failed"])
+    few = f"only {nf} failed" if nf <= ns else f"only {ns} successful"
+    auc_txt = f"; AUC of V {d['auc_v']:.2f}" if d.get("auc_v") is not None else ""
+    return [f"{few} of {ns + nf} trajectories (fewer than {th['min_per_outcome']:.0f} of an outcome{auc_txt}): "
+            "explained variance, AUC and failed-step advantages not judged"]
+
+
+def verdict_text(d: dict[str, Any]) -> str:
+    """The verdict in a few words, for tables: the problems, what could not be judged, or "learned"."""
+    bad = d.get("problems")
+    if bad is None:
+        bad = verdict(d)
+    if bad:
+        return "; ".join(bad)
+    if too_few(d):
+        few = min(int(d["n_success"]), int(d["n_failed"]))
+        return f"not judged ({few} {'failed' if d['n_failed'] <= d['n_success'] else 'successful'} held out)"
+    return "learned"
+
+
+def warning_line(d: dict[str, Any], where: str = "held-out", thresholds: dict[str, float] | None = None) -> str | None:
+    """One line for stderr when the critic has not learned, or when the slice was too small to tell (None
+    when it looks fine)."""
+    bad, notes = verdict(d, thresholds), caveats(d, thresholds)
+    if bad:
+        also = f"; {notes[0]}" if notes else ""
+        return (f"warning: the critic has not learned ({where}: {'; '.join(bad)}{also}): train longer (--epochs, "
+                "with --set early_stop_patience=... to stop at convergence) or raise --lr; see "
+                "docs/critic.md#diagnostics")
+    if notes:
+        return (f"note: cannot tell whether the critic learned ({where}: {notes[0]}): hold out more trajectories "
+                "(the critic's heldout_fraction) or collect more rollouts; see docs/critic.md#diagnostics")
+    return None
 
 
 def summary_line(d: dict[str, Any]) -> str:
@@ -306,5 +402,9 @@ def summary_line(d: dict[str, Any]) -> str:
         x = d.get(k)
         return "n/a" if x is None else fmt.format(x)
 
-    return (f"bellman_q {f('bellman_q', '{:.4f}')} ev {f('ev_return', '{:.2f}')} auc {f('auc_v', '{:.2f}')} "
-            f"auc0 {f('auc_v0', '{:.2f}')} v_sd {f('v_std', '{:.3f}')}")
+    ci = d.get("auc_v_ci")
+    auc_ci = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    counts = (f" ({d['n_success']} successful / {d['n_failed']} failed)"
+              if d.get("n_success") is not None and d.get("n_failed") is not None else "")
+    return (f"bellman_q {f('bellman_q', '{:.4f}')} ev {f('ev_return', '{:.2f}')} auc {f('auc_v', '{:.2f}')}{auc_ci} "
+            f"auc0 {f('auc_v0', '{:.2f}')} v_sd {f('v_std', '{:.3f}')}{counts}")

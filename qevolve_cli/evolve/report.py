@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.atomic import atomic_path, write_json, write_text
+from qevolve_cli.critic.diagnostics import verdict_text
 from qevolve_cli.errors import QevolveError
 
 
@@ -171,7 +172,7 @@ def diagnostics_markdown(diags: dict[int, dict[str, Any]]) -> str:
         return "" if x is None else fmt.format(x)
 
     for k, d in sorted(diags.items()):
-        verdict = "; ".join(d.get("problems") or []) or "learned"
+        verdict = verdict_text(d)
         lines.append(f"| {k} | {d.get('on', '')} | {f(d.get('bellman_q'), '{:.4f}')} | {f(d.get('ev_return'), '{:.2f}')} | "
                      f"{f(d.get('auc_v'), '{:.2f}')} | {f(d.get('auc_v0'), '{:.2f}')} | {f(d.get('v_std'))} | "
                      f"{f(None if d.get('failed_self_pos_adv') is None else 100 * d['failed_self_pos_adv'], '{:.0f} %')} | "
@@ -286,7 +287,8 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
     if diags:
         md += "\nCritic diagnostics (docs/critic.md#diagnostics):\n\n" + diagnostics_markdown(diags)
     write_text(out / "scores.md", md)
-    critic = {str(k): {key: d.get(key) for key in ("on", "trajectories", "steps", *DIAG_KEYS, "problems")}
+    critic = {str(k): {key: d.get(key) for key in ("on", "trajectories", "steps", "n_success", "n_failed", *DIAG_KEYS,
+                                                   "auc_v_ci", "problems")}
               for k, d in sorted(diags.items())}
     rep = {"run": str(run), "splits": splits, "rows": rows, "advantages": adv_stats, "critic": critic,
            "files": files + ["report/scores.md"]}
@@ -330,7 +332,7 @@ def print_table(rep: dict[str, Any]) -> None:
             fp = d.get("failed_self_pos_adv")
             c.add_row(k, str(d.get("on") or ""), f(d.get("bellman_q"), "{:.4f}"), f(d.get("ev_return"), "{:.2f}"),
                       f(d.get("auc_v"), "{:.2f}"), f(d.get("auc_v0"), "{:.2f}"), f(d.get("v_std")),
-                      "" if fp is None else f"{100 * fp:.0f} %", "; ".join(d.get("problems") or []) or "learned")
+                      "" if fp is None else f"{100 * fp:.0f} %", verdict_text(d))
         Console(width=max(100, Console().width)).print(c)
     files = rep.get("files", [])
     if files:

@@ -61,7 +61,7 @@ def model_dir(name: str, cache: Path) -> str:
 
         return str(cached("smollm2-135m-instruct", "fp32"))
     if name == "tiny":
-        from qevolve_cli.models import create_tiny_model
+        from qevolve_cli.models.tiny import create_tiny_model
 
         out = cache / "tiny"
         if not (out / "config.json").is_file():

@@ -213,6 +213,29 @@ def trained(table, tiny_model_dir, tmp_path_factory):
     return res
 
 
+def test_a_ref_that_is_the_starting_model_costs_no_second_pass(table, tiny_model_dir, tmp_path, monkeypatch):
+    """--ref naming --model's own directory (evolve's iteration 1: --model bc/policy --ref bc/policy) reuses the
+    starting policy's log-probs: one pass over the data fewer, the same run as with a copy of the directory."""
+    import shutil
+
+    from qevolve_cli.policy import PolicyConfig, train_policy
+    from qevolve_cli.policy import trainer as trainer_mod
+
+    passes = []
+    real = trainer_mod.compute_logprobs
+    monkeypatch.setattr(trainer_mod, "compute_logprobs", lambda m, *a, **k: passes.append(type(m).__name__) or real(m, *a, **k))
+    cfg = PolicyConfig(objective="bppo", lr=2e-3, epochs=1, micro_batch_size=2, warmup_ratio=0.0, kl_coef=0.1, seed=0)
+    same = train_policy(cfg, table, tiny_model_dir, tmp_path / "same", ref=tiny_model_dir, quiet=True)
+    n_same, passes[:] = len(passes), []
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "ref_copy")
+    other = train_policy(cfg, table, tiny_model_dir, tmp_path / "copy", ref=copy, quiet=True)
+    assert (n_same, len(passes)) == (2, 3)  # start + end, and the copy's own pass in between
+    for k in ("final_loss", "nll_after", "logp_delta_pos_adv", "logp_delta_neg_adv"):
+        assert same[k] == pytest.approx(other[k], rel=1e-5, abs=1e-7), k
+    kl = [json.loads(x)["kl"] for x in (tmp_path / "same" / "metrics.jsonl").read_text().splitlines()]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and max(kl) > 0  # the reference is the start, and it is used
+
+
 def test_bppo_raises_positive_and_lowers_negative_actions(table, tiny_model_dir, trained):
     df = pl.read_parquet(table)
     before = action_logprobs(tiny_model_dir, df)

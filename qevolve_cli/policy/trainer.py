@@ -75,7 +75,9 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
 
     # 2. data
     pd = build_policy_data(cfg, df, table_info, tok, data_label(data))
-    lp = initial_logprobs(cfg, policy, pd, ref, backend, per_seq)
+    # a --ref that is the --model directory itself (evolve's iteration 1 and ETO: --model bc/policy --ref
+    # bc/policy) has the starting policy's log-probs: one pass over the data, not two
+    lp = initial_logprobs(cfg, policy, pd, None if same_dir(ref, model_path) else ref, backend, per_seq)
 
     # 3. loop
     result = train_loop(policy, partial(make_steps, cfg, pd), partial(policy_loss, cfg, pd, lp, per_seq), args,
@@ -216,6 +218,11 @@ class LogProbs:
                 if a.shape[0] != lens[-1]:
                     raise QevolveError(f"{where}: checkpoint does not match the data (delete it to start over)")
                 setattr(self, key, [a[lens[i] : lens[i + 1]].copy() for i in range(len(examples))])
+
+
+def same_dir(a: str | Path | None, b: str | Path) -> bool:
+    """Whether ``a`` names the directory ``b`` (after symlinks and relative paths); False for None or a Hub id."""
+    return a is not None and Path(a).is_dir() and Path(a).resolve() == Path(b).resolve()
 
 
 def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, per_seq: bool) -> LogProbs:

@@ -23,6 +23,9 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
   learned_trajmean  the learned advantages replaced by their trajectory's mean (control: the same
                   credit to every step of a trajectory, i.e. to its outcome; what is left of `learned`
                   without the critic's credit to single steps)                   (norm)
+  learned_lam1    the run's learned V with GAE at lambda 1: G_t - V(s_t), the Monte-Carlo return less V
+                  (a failure's credit spread evenly, V only a baseline)           (norm)
+  learned_lam0    the same V with GAE at lambda 0: the one-step TD error           (norm)
   awr_full        AWR (weights exp(A), the learned advantages standardised) from the base model with
                   the BC budget: rft_full's start and budget, every row weighted by the critic instead
                   of keeping the successes only
@@ -74,7 +77,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reuses compare_table.mean_se)
 BASE_ARMS = ("sft", "bc", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
-             "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "learned_trajmean", "shuffled", "a_one",
+             "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "learned_trajmean", "learned_lam1", "learned_lam0", "shuffled", "a_one",
              "awr_full", "awr_full_one", "awr_full_shuffled", "awr_bc", "awr_oracle", "awr_tab",
              "oracle_gae_informative")
 AWR_FULL_ARMS = ("awr_full", "awr_full_one", "awr_full_shuffled", "awr_oracle", "awr_tab")
@@ -94,7 +97,7 @@ LABEL = {  # arm -> label config overrides over the run's label stage (value sou
     "awr_oracle": {"value_source": "oracle", "advantage": "gae"},
     "awr_tab": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux"},
 }
-CREDIT_SOURCES = ("learned", "awr_full", "learned_pbb", "learned_m05", "tab_gae", "tab_env_gae", "tab_gae_m05",
+CREDIT_SOURCES = ("learned", "learned_lam1", "learned_lam0", "awr_full", "learned_pbb", "learned_m05", "tab_gae", "tab_env_gae", "tab_gae_m05",
                   "tab_gae_m09", "shuffled")
 """Arms with advantages of their own (a critic, the tabular IQL, a control) that `credit` holds against the solver's."""
 RAW = {"oracle_gae_raw", "learned_raw", "a_one", "learned_pos"}  # learned_pos: standardised before clamping
@@ -209,6 +212,16 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
                              .alias("advantage")).write_parquet(out)
     elif arm == "learned_trajmean":
         learned.with_columns(pl.col("advantage").mean().over("traj_id").cast(pl.Float32)).write_parquet(out)
+    elif arm in ("learned_lam1", "learned_lam0"):  # the run's own V and GAE at lambda 1 (G_t - V) or 0 (TD)
+        import yaml
+
+        from qevolve_cli import schema
+        from qevolve_cli.rewards import process_rewards
+
+        gamma = float(yaml.safe_load((run / "stages" / "label_1.yaml").read_text())["gamma"])
+        learned = schema.sort_steps(learned)
+        learned.with_columns(process_rewards(learned, "gae", gamma, 1.0 if arm == "learned_lam1" else 0.0)
+                             ).write_parquet(out)
     elif arm in ("shuffled", "awr_full_shuffled"):
         learned.with_columns(pl.col("advantage").shuffle(seed=0)).write_parquet(out)
     elif arm in ("a_one", "awr_full_one"):

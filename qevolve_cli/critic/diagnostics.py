@@ -208,13 +208,15 @@ def _offsets(traj: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], change, [len(traj)]]).astype(np.int64)
 
 
-def diagnose(df: Any, gamma: float = 0.95, expectile: float = 0.7, shaping: bool = True) -> dict[str, Any]:
+def diagnose(df: Any, gamma: float = 0.95, expectile: float = 0.7, shaping: bool = True,
+             intervals: bool = True) -> dict[str, Any]:
     """Every metric of the module docstring that the frame's columns allow.
 
     ``df``: a Polars frame, one row per step, trajectories contiguous in step order (as written by
     ``qevolve label``), with traj_id, step, reward_env, done, value and, when present, reward_aux,
     success, source, aux_kind, next_value, q1/q2/q_value (Bellman errors), advantage.
-    ``shaping``: the return and the Bellman target use r_env + r_aux (as the critic does).
+    ``shaping``: the return and the Bellman target use r_env + r_aux (as the critic does). ``intervals``: the
+    bootstrap intervals ``auc_v_ci`` / ``ev_return_ci`` (None without; the per-epoch metrics skip them).
     """
     import polars as pl
 
@@ -243,9 +245,10 @@ def diagnose(df: Any, gamma: float = 0.95, expectile: float = 0.7, shaping: bool
         "success_rate": float(traj_ok.mean()) if df.height else None,
         "n_success": int(traj_ok.sum()), "n_failed": int((~traj_ok).sum()),
         "ev_return": explained_variance(v, g),
-        "ev_return_ci": trajectory_bootstrap_ci(lambda i: explained_variance(v[i], g[i]), off, traj_ok),
+        "ev_return_ci": trajectory_bootstrap_ci(lambda i: explained_variance(v[i], g[i]), off, traj_ok)
+        if intervals else None,
         "auc_v": auc(v, success), "auc_v0": auc(v[first], success[first]),
-        "auc_v_ci": trajectory_bootstrap_ci(lambda i: auc(v[i], success[i]), off, traj_ok),
+        "auc_v_ci": trajectory_bootstrap_ci(lambda i: auc(v[i], success[i]), off, traj_ok) if intervals else None,
         "v_mean": float(v.mean()) if df.height else None, "v_std": float(v.std()) if df.height else None,
         "v0_success": float(v[first & success].mean()) if (first & success).any() else None,
         "v0_failed": float(v[first & ~success].mean()) if (first & ~success).any() else None,

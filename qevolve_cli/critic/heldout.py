@@ -68,7 +68,7 @@ def evaluate_items(trainer: Any, items: list[TrajItem], df: Any, cfg: CriticConf
     sub = sub.with_columns(pl.when(pl.col("done")).then(0.0).otherwise(pl.col("next_value"))
                            .cast(pl.Float32).alias("next_value"))
     sub = sub.with_columns(process_rewards(sub, "gae", cfg.gamma, cfg.diag_lambda, offs=core.offsets(sub)))
-    d = diagnose(sub, cfg.gamma, cfg.expectile, shaping=cfg.shaping)
+    d = diagnose(sub, cfg.gamma, cfg.expectile, shaping=cfg.shaping, intervals=full)
     if d.get("bellman_q") is not None:
         d["bellman"] = d["bellman_q"] + d["bellman_v"]
     if not full:

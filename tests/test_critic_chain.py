@@ -132,6 +132,7 @@ def test_under_trained_critic_warns_on_stderr(tiny_model_dir, tmp_path):
     summary = json.loads(proc.stdout)
     assert summary["warning"] == warn[0].split("qevolve critic: ", 1)[1]
     assert summary["diagnostics"]["problems"]
+    assert summary["diagnostics"]["caveats"] == []  # 3 successes and 4 failures held out: enough to judge
     # the diagnostics are in the metrics file (every epoch) and in diagnostics.json
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert "bellman_q" in metrics[-1]["heldout"] and "auc_v" in metrics[-1]["heldout"]

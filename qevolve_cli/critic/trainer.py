@@ -435,9 +435,10 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
                        **evaluate_items(trainer, heldout, df, cfg, full=True)}
     else:
         diagnostics = {"on": "train", **evaluate_items(trainer, items, df, cfg, full=True)}
-    from qevolve_cli.critic.diagnostics import verdict, warning_line
+    from qevolve_cli.critic.diagnostics import caveats, verdict, warning_line
 
     diagnostics["problems"] = verdict(diagnostics)
+    diagnostics["caveats"] = caveats(diagnostics)  # what the slice was too small to judge
     warning = warning_line(diagnostics, "held-out" if heldout else "training data, nothing held out")
 
     summary = {

@@ -46,7 +46,8 @@ Diagnostics (docs/critic.md#diagnostics): 10 % of the trajectories (heldout_frac
 held out by traj_id; after every epoch the critic is scored on them: Bellman errors of Q
 and V, explained variance of V against the discounted return, AUC of V for success, mean
 advantage by source x success x aux_kind. A critic that has clearly not learned gets one
-warning line on stderr naming the knob to turn. --set early_stop_patience=3 stops when the
+warning line on stderr naming the knob to turn; a slice with fewer than 3 trajectories of an
+outcome gets a note instead (too few to judge). --set early_stop_patience=3 stops when the
 held-out Bellman error stops improving (epochs is then the cap) and keeps the best epoch.
 \b
 Examples:

@@ -8,6 +8,7 @@ app`` get every command.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import typer
@@ -59,7 +60,21 @@ def build_app(only: str | None = None) -> typer.Typer:
     for name, mod in COMMANDS.items():
         if only is None or name == only:
             importlib.import_module(f"qevolve_cli.commands.{mod}").register(app)
+    for info in app.registered_commands:
+        info.help = reflow(info.help)
     return app
+
+
+def reflow(text: str | None) -> str | None:
+    """A command's help for Typer's rich mode, which keeps every line break after the first paragraph: the lines
+    of each prose paragraph joined into one (the terminal wraps it to its width), paragraphs that start with
+    ``\\b`` (lists, formulas, examples) kept line for line. ``\\b`` also starts a paragraph without a blank
+    line before it."""
+    if not text:
+        return text
+    paras = re.sub(r"(?<!\n)\n\x08\n", "\n\n\x08\n", text).split("\n\n")
+    return "\n\n".join(p if p.lstrip().startswith("\b") else " ".join(ln.strip() for ln in p.splitlines() if ln.strip())
+                        for p in paras)
 
 
 def _print_version(value: bool) -> None:

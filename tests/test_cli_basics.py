@@ -58,6 +58,33 @@ def test_help_cites_docs_not_the_spec(mod):
     assert "SPEC" not in top and "docs/" in top
 
 
+def test_reflow_joins_prose_and_keeps_lists():
+    from qevolve_cli.cli import reflow
+
+    text = "First line\nof the first.\n\nA prose\nparagraph.\n\b\nExamples:\n  qevolve a\n  qevolve b"
+    assert reflow(text) == "First line of the first.\n\nA prose paragraph.\n\n\b\nExamples:\n  qevolve a\n  qevolve b"
+    assert reflow("x\n\n\b\nkept\n  as is") == "x\n\n\b\nkept\n  as is"  # no third newline before \b
+
+
+def test_help_reads_in_an_80_column_terminal():
+    """Prose paragraphs are joined (the terminal wraps them); the lines kept as written (\\b blocks: lists,
+    examples) fit 80 columns, example commands excepted. A help line that rich had to break mid-sentence fails."""
+    import re
+
+    fixed = [(info.name, line) for info in build_app().registered_commands for para in info.help.split("\n\n")
+             if para.startswith("\b") for line in para.split("\n")[1:]]
+    assert len(fixed) > 50  # the examples and lists of every command
+    too_long = [(n, line) for n, line in fixed
+                if len(line) > 78 and not re.match(r"\s+(qevolve|python|for |nice|make|~)", line)]
+    assert too_long == []
+    r = run_qevolve("evolve", "--help", env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = [ln.strip(" │") for ln in r.stdout.splitlines()]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Presets:"))
+    para = lines[start : start + next(k for k, ln in enumerate(lines[start:]) if not ln.strip())]
+    assert len(para) >= 3 and all(len(ln) >= 60 for ln in para[:-1]), para  # filled lines, no ragged source breaks
+
+
 def test_docs_exist_that_user_text_cites():
     import re
 

@@ -24,7 +24,6 @@ from qevolve_cli.commands.common import (
 
 HELP = """Train the weighted IQL critic (docs/critic.md) on a labelled table.
 
-\b
 One frozen backbone (--model) with three LoRA adapters on the same model object:
 value, q and the delayed q_target (EMA, lambda 0.005 every 2 updates), MLP heads
 g_v, g_q1, g_q2 on the last-token hidden states at pos_s / pos_sa / pos_next.
@@ -33,7 +32,7 @@ L_V = sum_t w_t L2^m(min(Qbar1, Qbar2) - V(s)); Q and V updates alternate.
 One forward per adapter per trajectory gives every step's pooled states.
 The table needs the columns of `qevolve label` (reward_aux, weight); positions are
 taken from it when present, else computed with --model's tokenizer and chat template.
-\b
+
 Writes OUT atomically: adapters/{value,q,q_target} (PEFT), heads.safetensors,
 critic.json, config.yaml (resolved), metrics.jsonl (losses, mean V / Q, TD error and the
 held-out diagnostics per epoch), diagnostics.json, summary.json and the tokenizer. A second
@@ -41,7 +40,7 @@ run on the same OUT while one is running is refused with one line (the output lo
 interrupted run (also under DeepSpeed) resumes from OUT.partial/ when started again with
 the same arguments: a checkpoint per epoch and, with --set checkpoint_every_steps=N, every
 N updates.
-\b
+
 Diagnostics (docs/critic.md#diagnostics): 10 % of the trajectories (heldout_fraction) are
 held out by traj_id; after every epoch the critic is scored on them: Bellman errors of Q
 and V, explained variance of V against the discounted return, AUC of V for success, mean

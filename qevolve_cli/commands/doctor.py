@@ -12,7 +12,6 @@ from qevolve_cli.commands.common import JsonOpt, QuietOpt, emit_json, run_comman
 
 HELP = """Report versions, devices and which backends work here; --smoke runs each path once.
 
-\b
 The first thing to run on a new GPU node. Without --smoke: Python, torch, transformers, peft,
 vllm, deepspeed and CUDA versions, the devices with their memory, and which generation backends
 import (hf, vllm, openai). With --smoke (about a minute or two), each path runs for real on a

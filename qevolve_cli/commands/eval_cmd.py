@@ -36,7 +36,6 @@ from qevolve_cli.commands.rollout import (
 
 HELP = """Evaluate a policy on a split: one greedy trajectory per task.
 
-\b
 Prints a table of the average reward (the paper's metric: mean final score in
 [0, 1], shown x100) and the success rate (share of tasks completed, final
 reward = 1), overall and per task type, naming the env and split. The

@@ -23,7 +23,6 @@ HELP = """Run Q-Evolve end to end: BC warm-up on expert data, then per iteration
 critic -> label --critic -> policy (bppo, or awr with --policy-step awr) -> eval, into RUN_DIR
 (resumable).
 
-\b
 Presets: configs/presets/<env>.yaml holds the paper's hyper-parameters per environment and
 iteration; --preset smoke|cpu scales it down to 2 CPU cores with a tiny offline model;
 --preset cpu-smol is cpu with the pretrained SmolLM2-135M-Instruct and LoRA (lamps; hours).

@@ -21,7 +21,6 @@ from qevolve_cli.commands.common import (
 
 HELP = """Replay each task's expert plan through the real environment and write the trajectories.
 
-\b
 Experts: SciWorld gold action sequences, ALFWorld gt_traj.json (train) or the PDDL
 planner, TextCraft a plan from its crafting tree. Actions are ReAct text with a short
 template thought ("Thought: The next step towards the goal is to <cmd>.\\nAction: <cmd>").

@@ -19,7 +19,6 @@ from qevolve_cli.commands.common import (
 
 HELP = """Convert ETO / ShareGPT-style SFT JSON into a step table (source=expert, iteration=0).
 
-\b
 Records: [{"id", "conversations": [{"from": "human"|"gpt", "value"}]}] or the
 {"role", "content"} variant (also JSON Lines). Assistant turns become steps with the
 full text (thought kept) as `action` and the parsed `Action:` as `command`; turns before

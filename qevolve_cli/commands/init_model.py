@@ -19,7 +19,6 @@ from qevolve_cli.commands.common import (
 
 HELP = """Create a tiny Hugging Face causal LM offline, or convert a pretrained one (no network).
 
-\b
 Writes a real LlamaForCausalLM / Qwen2ForCausalLM (random init, safetensors),
 a byte-level BPE tokenizer trained on built-in environment text, and a ChatML
 chat template (eos = <|im_end|>, the end of a turn). Loadable with

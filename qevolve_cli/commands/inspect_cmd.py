@@ -10,7 +10,6 @@ from qevolve_cli.commands.common import JsonOpt, emit_json, run_command
 
 HELP = """Summarise a trajectory table: trajectories, steps, success, counts, value/advantage stats.
 
-\b
 On a table scored by a critic (`qevolve label --critic`: value, next_value, advantage)
 it adds the critic diagnostics (docs/critic.md#diagnostics): explained variance of V
 against the discounted return, AUC of V for success, Bellman/TD errors, mean advantage

@@ -19,7 +19,6 @@ from qevolve_cli.commands.common import (
 
 HELP = """Label one or more step tables into ONE labelled table (docs/commands.md).
 
-\b
 Adds reward_aux / aux_kind (retrospective labels, rules per env from configs/labels.yaml),
 success and weight (w_t = (t/T + d)*0.5 + 0.5); with --tokenizer the prefix positions
 pos_s / pos_sa / pos_next; with --critic (or value/next_value already present, or

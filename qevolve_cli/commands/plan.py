@@ -12,13 +12,12 @@ HELP = """Plan an evolve run on GPUs: per stage (rollout, label, critic, policy,
 iteration, memory per GPU under each setting, the smallest setting that fits, and the
 wall time (docs/cluster.md).
 
-\b
 Memory (no weights are read: the model's size comes from its config.json): weights,
 LoRA, optimiser state, gradients and activations at the configured token budget for
 the critic and the policy under ZeRO-0/2/3 (with and without gradient checkpointing),
 and for vLLM (rollout, eval) the weights and KV cache per tensor-parallel size. A
 setting fits when its peak stays --reserve-gib below the GPU's memory.
-\b
+
 Time: token counts measured on tables (steps per trajectory, prompt and completion
 tokens per step, tokens per trajectory) from --tables (a previous run's rollouts) or
 --expert (the expert data; learned policies take more steps), or, for ALFWorld, the

@@ -34,10 +34,11 @@ rft  : bc's NLL on expert rows plus the self trajectories whose final reward
        is >= rft_min_reward (default 1).
 dpo  : per task, the expert trajectory against each self trajectory with a
        different final reward (higher reward = chosen; ties give no pair);
-       DPO loss over the whole trajectory's assistant tokens against the frozen
-       starting policy (or --ref), beta = dpo_beta (default 0.1, ETO's).
+       DPO loss over the whole trajectory's assistant tokens against the
+       frozen starting policy (or --ref), beta = dpo_beta (default 0.1,
+       ETO's).
 --data may be given several times (e.g. expert.parquet and rollout.parquet).
-\b
+
 Writes OUT atomically: model weights (safetensors) or a LoRA adapter, the
 tokenizer files, config.yaml (resolved), metrics.jsonl (loss per optimiser
 step) and train_summary.json. A second run on the same OUT while one is running

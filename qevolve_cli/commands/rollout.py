@@ -26,7 +26,6 @@ from qevolve_cli.commands.common import (
 
 HELP = """Collect self-play trajectories of a policy into a step table (docs/tables.md; source=self).
 
-\b
 Episodes are played in batches: one generation call per round for every live
 episode, environment steps in a pool of worker processes, finished episodes
 replaced by new (task, sample) pairs until every task has --n-per-task

@@ -15,8 +15,8 @@ import typer
 
 HELP = """Q-Evolve: self-evolving LLM agents for long-horizon text environments.
 
-\b
 The loop (docs/evolve.md): BC warm-up, then K times: rollout, label, critic, label --critic, policy (bppo).
+
 \b
 Examples:
   qevolve evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo
@@ -50,7 +50,7 @@ def build_app(only: str | None = None) -> typer.Typer:
     """The Typer app with every command, or with only the command ``only`` (a key of COMMANDS)."""
     app = typer.Typer(
         name="qevolve",
-        help=HELP,
+        help=reflow(HELP),
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,

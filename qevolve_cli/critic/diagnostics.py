@@ -359,15 +359,20 @@ def verdict(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> li
     return bad
 
 
+def _scarcer_outcome(d: dict[str, Any]) -> tuple[int, str]:
+    """(count, "failed" | "successful") of the outcome with fewer trajectories (failed on a tie)."""
+    ns, nf = int(d["n_success"]), int(d["n_failed"])
+    return (nf, "failed") if nf <= ns else (ns, "successful")
+
+
 def caveats(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> list[str]:
     """What the diagnostics could not judge, as short phrases: [] when every check was made."""
     th = {**THRESHOLDS, **(thresholds or {})}
     if not too_few(d, th):
         return []
-    ns, nf = int(d["n_success"]), int(d["n_failed"])
-    few = f"only {nf} failed" if nf <= ns else f"only {ns} successful"
+    n, kind = _scarcer_outcome(d)
     auc_txt = f"; AUC of V {d['auc_v']:.2f}" if d.get("auc_v") is not None else ""
-    return [f"{few} of {ns + nf} trajectories (fewer than {th['min_per_outcome']:.0f} of an outcome{auc_txt}): "
+    return [f"only {n} {kind} of {int(d['n_success']) + int(d['n_failed'])} trajectories (fewer than {th['min_per_outcome']:.0f} of an outcome{auc_txt}): "
             "explained variance, AUC and failed-step advantages not judged"]
 
 
@@ -379,8 +384,8 @@ def verdict_text(d: dict[str, Any]) -> str:
     if bad:
         return "; ".join(bad)
     if too_few(d):
-        few = min(int(d["n_success"]), int(d["n_failed"]))
-        return f"not judged ({few} {'failed' if d['n_failed'] <= d['n_success'] else 'successful'} held out)"
+        n, kind = _scarcer_outcome(d)
+        return f"not judged ({n} {kind} held out)"
     return "learned"
 
 

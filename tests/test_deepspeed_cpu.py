@@ -251,6 +251,30 @@ def test_policy_bppo_killed_mid_epoch_in_one_process_resumes_like_the_uninterrup
     assert not (tmp_path / "plain.partial").exists()
 
 
+@pytest.mark.timeout(300)
+def test_policy_killed_after_its_last_step_resumes_without_training(bppo_runs, policy_table, tiny_model_dir, tmp_path):
+    """SIGKILLed right after the checkpoint of its last step (4, the end of epoch 2), i.e. in the closing pass over
+    the data that fills train_summary.json, before OUT exists: started again it trains nothing (no step
+    logged twice, no training token) and writes the uninterrupted run's adapter, curve and summary figures."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "plain"
+    cmd = ["policy", "--data", policy_table, "--model", tiny_model_dir, *BPPO, "--out", out]
+    qevolve_killed_after(4, *cmd)
+    killed = killed_run(tmp_path / "plain.partial", out, "checkpoint.json")
+    assert (killed["pointer"]["step"], killed["pointer"]["epoch"], killed["pointer"]["epoch_step"]) == (4, 2, 0)
+    assert not killed["out_exists"]
+    summary = qevolve_here(*cmd)
+    ref = json.loads((bppo_runs / "plain" / "train_summary.json").read_text())
+    assert (summary["resumed_from_step"], summary["optimizer_steps"], summary["train_tokens"]) == (4, 4, 0)
+    for key in ("final_loss", "nll_before", "nll_after", "logp_delta_pos_adv", "logp_delta_neg_adv"):
+        assert summary[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), key
+    assert_same_tensors(load_file(str(out / "adapter_model.safetensors")),
+                        load_file(str(bppo_runs / "plain" / "adapter_model.safetensors")), "plain")
+    assert [r["step"] for r in curve(out)] == [1, 2, 3, 4]
+    assert not (tmp_path / "plain.partial").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_policy_rft_zero2_and_dpo_zero3_equal_the_single_process_run(tiny_model_dir, tmp_path):
@@ -381,6 +405,31 @@ def test_critic_killed_mid_epoch_in_one_process_resumes_like_the_uninterrupted_r
     for f in CRITIC_FILES:
         assert_same_tensors(load_file(str(out / f)), load_file(str(critic_runs / "plain" / f)), f)
     assert_same_epoch_metrics(epoch_metrics(out), epoch_metrics(critic_runs / "plain"), rtol=1e-6)
+    assert not (tmp_path / "plain.partial").exists()
+
+
+@pytest.mark.timeout(300)
+def test_critic_killed_after_its_last_epoch_resumes_without_training(critic_runs, tiny_model_dir, tmp_path):
+    """SIGKILLed right after the checkpoint of its last epoch (update 4), i.e. in the final held-out diagnostics
+    (bootstrap intervals included) before OUT exists: started again it trains nothing and writes the
+    uninterrupted run's adapters, heads, per-epoch metrics and diagnostics."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "plain"
+    cmd = ["critic", "--data", critic_runs / "lab.parquet", "--model", tiny_model_dir, *CRITIC, "--out", out]
+    qevolve_killed_after(4, *cmd)
+    killed = killed_run(tmp_path / "plain.partial", out, "checkpoint.json")
+    prog = killed["pointer"]
+    assert (prog["tag"], prog["epoch"], prog["epoch_state"], len(prog["metrics"])) == ("step00000004", 2, None, 2)
+    assert not killed["out_exists"]
+    summary = qevolve_here(*cmd)
+    assert (summary["resumed_from_epoch"], summary["resumed_from_step"], summary["epochs_run"]) == (2, 4, 2)
+    for f in CRITIC_FILES:
+        assert_same_tensors(load_file(str(out / f)), load_file(str(critic_runs / "plain" / f)), f)
+    assert_same_epoch_metrics(epoch_metrics(out), epoch_metrics(critic_runs / "plain"), rtol=1e-6)
+    got, ref = (json.loads((d / "diagnostics.json").read_text()) for d in (out, critic_runs / "plain"))
+    for k in ("bellman_q", "ev_return", "auc_v", "n_success", "n_failed", "problems"):
+        assert got[k] == (pytest.approx(ref[k], rel=1e-6) if isinstance(ref[k], float) else ref[k]), k
     assert not (tmp_path / "plain.partial").exists()
 
 

@@ -149,7 +149,7 @@ def test_resume_after_kill_mid_stage(tmp_path, deepspeed_cpu):
     before = manifest(run)
     done_before = {k for k, v in before.items() if v["status"] == "done"}
     # the resume dies inside the DeepSpeed policy stage, right after its checkpoint of step 2
-    env = {**qevolve_env(), "QEVOLVE_KILL_AFTER_CHECKPOINT": "2"}
+    env = {**qevolve_env(), "QEVOLVE_KILL_AFTER_CHECKPOINT": "policy.partial:2"}  # not the critic's update 2
     r = subprocess.run([*args, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == -signal.SIGKILL, r.stderr[-4000:]
     assert manifest(run)["iter_1/policy"]["status"] == "running"

@@ -146,7 +146,8 @@ def test_mid_epoch_checkpoint_resumes_at_the_next_step(tmp_path):
     assert [r["epoch"] for r in log] == [r["epoch"] for r in ref_log]
     for k in ("loss", "lr", "grad_norm"):
         assert [r[k] for r in log] == pytest.approx([r[k] for r in ref_log], rel=1e-6), k
-    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.json", "step00000009"]  # committed again, leftover gone
+    # committed again (the last step's checkpoint), the leftover gone
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.json", "step00000012"]
     # the checkpoint of another run (config, data, model: the caller's fingerprint) is refused with one line
     with pytest.raises(QevolveError, match="another configuration, data or model"):
         train_loop(_model(), steps_for(24), _loss_fn(x, y), dataclasses.replace(args, fingerprint="other"))
@@ -155,6 +156,32 @@ def test_mid_epoch_checkpoint_resumes_at_the_next_step(tmp_path):
     (ck / "checkpoint.json").write_text(json.dumps({**meta9, "backend": "deepspeed"}))
     with pytest.raises(QevolveError, match="written by a deepspeed run, this is a torch run"):
         train_loop(_model(), steps_for(24), _loss_fn(x, y), args)
+
+
+@pytest.mark.parametrize("max_steps", [0, 3])
+def test_a_run_stopped_after_its_last_step_resumes_without_training(tmp_path, max_steps):
+    """The last optimiser step is checkpointed (the end of the last epoch, or a ``max_steps`` cut mid-epoch): a run
+    killed after it (in the caller's closing pass over the data, before its output) comes back with the trained
+    weights and the last step's metrics without a single forward pass, and its log as it was."""
+    x, y = _data()
+    args = _args(tmp_path, max_steps=max_steps)
+    m = _model()
+    r = train_loop(m, steps_for(), _loss_fn(x, y), args)
+    total = max_steps or 6
+    meta = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
+    assert (meta["epoch"], meta["epoch_step"], meta["step"]) == ((3, 0, 6) if not max_steps else (1, 1, 3))
+    log = (tmp_path / "log.jsonl").read_text()
+
+    def no_training(model, idx, ctx):
+        raise AssertionError(f"step {ctx['step']} trained again")
+
+    m2 = _model()
+    r2 = train_loop(m2, steps_for(), no_training, args)
+    assert (r2.steps, r2.resumed_from_step, r2.tokens, r2.history) == (total, total, 0, [])
+    assert r2.last_metrics == r.last_metrics and r2.last_metrics["step"] == total
+    for p1, p2 in zip(m.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(p1, p2)
+    assert (tmp_path / "log.jsonl").read_text() == log
 
 
 def test_resume_reads_a_checkpoint_only_through_a_complete_pointer(tmp_path):

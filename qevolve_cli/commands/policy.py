@@ -45,8 +45,9 @@ step) and train_summary.json. A second run on the same OUT while one is running
 is refused with one line (the output lock .OUT.lock; under torchrun rank 0 holds
 it for all ranks). An interrupted run (also under DeepSpeed) resumes
 at its last checkpoint in OUT.partial/ when started again with the same arguments:
-checkpoints are written at epoch ends and, with --set checkpoint_every_steps=N,
-every N steps.
+checkpoints are written at epoch ends (the last one too: a run stopped in the
+closing summary pass trains nothing again) and, with --set
+checkpoint_every_steps=N, every N steps.
 \b
 Examples:
   qevolve policy --objective bc --data expert.parquet --model tiny/ --out bc/

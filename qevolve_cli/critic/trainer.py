@@ -389,7 +389,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
                                                          "early_stop": stop, **progress_info, **checkpoint_meta(ds)})
         if ds is not None:
             ds.barrier()
-        kill_after_checkpoint(trainer.n)
+        kill_after_checkpoint(trainer.n, partial)
 
     use_stop = cfg.early_stop_patience > 0 and bool(heldout)
     n_batches = math.ceil(len(items) / cfg.batch_size)
@@ -422,8 +422,8 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
                 if use_stop and stop["bad"] >= cfg.early_stop_patience:
                     stop["stopped_at"] = epoch + 1
         metrics.append(m)
-        last = epoch + 1 >= cfg.epochs or stop["stopped_at"] is not None
-        if cfg.checkpoint and not last:
+        # after the last epoch too: a run killed in the final diagnostics below resumes without training again
+        if cfg.checkpoint:
             save_checkpoint({"epoch": epoch + 1, "epochs_done": epoch + 1, "epoch_state": None})
     restored = None
     if use_stop and cfg.restore_best and best_state is not None and stop["best_epoch"] != len(metrics):

@@ -157,10 +157,15 @@ def checkpoint_meta(backend) -> dict[str, Any]:
     return meta
 
 
-def kill_after_checkpoint(step: int) -> None:
+def kill_after_checkpoint(step: int, ckpt_dir: Path) -> None:
     """Fault injection for the recovery tests: with ``QEVOLVE_KILL_AFTER_CHECKPOINT=K`` in the environment the
-    process SIGKILLs itself right after the checkpoint of step K is committed (every rank does: a node lost)."""
-    if os.environ.get(KILL_AFTER_CHECKPOINT) == str(step):
+    process SIGKILLs itself right after the checkpoint of step K is committed (every rank does: a node lost);
+    ``NAME:K`` only when the checkpoint directory is named NAME (``policy.partial``: one stage of a run)."""
+    want = os.environ.get(KILL_AFTER_CHECKPOINT)
+    if want is None:
+        return
+    name, _, k = want.rpartition(":")
+    if k == str(step) and (not name or Path(ckpt_dir).name == name):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
@@ -195,7 +200,7 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
         commit_checkpoint(Path(ckpt_dir), POINTER, {"tag": tag, **pos, **checkpoint_meta(backend),
                                                         "fingerprint": fingerprint})
     backend.barrier()
-    kill_after_checkpoint(pos["step"])
+    kill_after_checkpoint(pos["step"], ckpt_dir)
 
 
 def load_checkpoint(backend, ckpt_dir: Path, meta: dict[str, Any], model, optimizer,

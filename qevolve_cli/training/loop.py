@@ -19,12 +19,14 @@ What it does:
   (the caller shuffles with ``seed + epoch``) so that a resumed run sees the same order;
 * metrics: one JSON line per optimiser step appended to ``args.log_path`` (``epoch``, ``step``,
   ``lr``, ``loss``, ``grad_norm``, ``tokens`` and the loss's own metrics), a progress bar on stderr;
-* checkpoints in ``args.ckpt_dir`` at the end of every epoch but the last and, with
-  ``checkpoint_every_steps`` N > 0, after every N-th optimiser step (never after the very last
-  one: the caller writes its output right away); layout and commit in
+* checkpoints in ``args.ckpt_dir`` at the end of every epoch, after the very last optimiser step
+  and, with ``checkpoint_every_steps`` N > 0, after every N-th one; layout and commit in
   :mod:`qevolve_cli.training.checkpoints`. Started again with the same arguments (the same
   ``fingerprint``), the loop continues at the next optimiser step: the epoch's batch order is rebuilt
   and the steps already done are skipped, and the metrics log is cut back to the checkpoint's step.
+  The checkpoint after the last step is what the caller's closing work (the policy's summary pass over
+  the data, its output) resumes from: a run killed there trains nothing again, and its
+  ``last_metrics`` are the logged last step's.
   A checkpoint of another fingerprint or backend is refused with one line;
 * hooks: ``on_epoch_start(epoch, model)``, ``on_step(step, model)`` after every optimiser step (the
   policy refreshes pi_old there), ``extra_state()`` / ``load_extra_state(tensors)`` for the caller's
@@ -131,14 +133,19 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
             hooks.load_extra_state(extra)
     resumed_from, resumed_step = start_epoch, step
     log_f = None
+    last: dict[str, Any] = {}  # the last step's log line (a resumed run that trains nothing reports the logged one)
     if args.log_path is not None and backend.is_main:
+        from qevolve_cli.atomic import write_text
+
         Path(args.log_path).parent.mkdir(parents=True, exist_ok=True)
         if step == 0 and Path(args.log_path).exists():
             Path(args.log_path).unlink()
         elif step > 0 and Path(args.log_path).exists():
             # drop the lines of the steps after the checkpoint (they are run again) and a line cut by the kill
-            Path(args.log_path).write_text("".join(ln + "\n" for ln in Path(args.log_path).read_text().splitlines()
-                                                   if _log_step(ln) is not None and _log_step(ln) <= step))
+            kept = [ln for ln in Path(args.log_path).read_text().splitlines()
+                    if _log_step(ln) is not None and _log_step(ln) <= step]
+            write_text(args.log_path, "".join(ln + "\n" for ln in kept))
+            last = json.loads(kept[-1]) if kept and _log_step(kept[-1]) == step else {}
         log_f = open(args.log_path, "a")  # noqa: SIM115
     every = max(0, int(args.checkpoint_every_steps))
 
@@ -147,7 +154,6 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
     t0 = time.perf_counter()
     tokens_total = 0
     history: list[dict[str, Any]] = []
-    last: dict[str, float] = {}
     done = False
     model.train()
     try:
@@ -206,11 +212,10 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                     bar.update(task, advance=1, info=f"epoch {epoch + 1}/{args.epochs} loss {loss_acc:.4f}")
                     if hooks.on_step is not None:
                         hooks.on_step(step, model)
-                    # checkpoint after every `every`-th step and at the end of every epoch but the last
-                    # (not after the very last step: the caller writes its output right away)
+                    # checkpoint after every `every`-th step, at the end of every epoch and after the very
+                    # last step (the caller's closing pass over the data then resumes without training again)
                     end_of_epoch = i + 1 == len(steps)
-                    if (ckpt_dir is not None and step < total
-                            and ((every and step % every == 0) or (end_of_epoch and epoch + 1 < args.epochs))):
+                    if ckpt_dir is not None and ((every and step % every == 0) or end_of_epoch or step >= total):
                         pos = ({"epoch": epoch + 1, "epoch_step": 0, "step": step} if end_of_epoch
                                else {"epoch": epoch, "epoch_step": i + 1, "step": step})
                         extra = hooks.extra_state() if hooks.extra_state is not None else None

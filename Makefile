@@ -105,21 +105,16 @@ test: setup test-rust
 test-rust:
 	cargo test -q -p qevolve_core
 
-# One OpenMP thread per test process (inherited by the qevolve subprocesses and vLLM's engine): the two
-# workers and the vLLM tests already fill the cores, and extra threads only spin against each other
-# (benchmarks/bench_threads.py: 2.5-3.7x slower decoding beside a busy job). Set OMP_NUM_THREADS to override.
-TEST_THREADS ?= 1
 TEST_WORKERS ?= 2
 test-py: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(TEST_THREADS)} $(PY) -m pytest -q tests -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q tests -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # the tests marked `vllm` run in the vLLM venv, the checkout on PYTHONPATH (the abi3 extension
 # loads there too); on CPU the engine needs a KV-cache size and runs in-process (3 s start-up
 # instead of 17 s)
 test-vllm: $(VLLM_STAMP) $(EXT_STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(TEST_THREADS)} VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-nobind} \
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_ENABLE_V1_MULTIPROCESSING=$${VLLM_ENABLE_V1_MULTIPROCESSING:-0} \
-	  $(VLLM_PY) -m pytest -q tests/test_vllm.py -m vllm --durations=10
+	  $(VLLM_PY) -m pytest -q tests/test_vllm.py -m vllm
 
 demo: install
 	rm -rf runs/demo

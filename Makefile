@@ -90,7 +90,9 @@ install: setup
 # longest files now go first (tests/file_seconds.json, read by tests/conftest.py; --no-loadscope-reorder keeps
 # that order; xdist's own order is by number of tests, which put the long end-to-end files last): 19:06 for all
 # of `make test` on a clean clone of b3b85d1 (main suite 18:51, 514 passed; vLLM 10 passed; 34 CPU minutes;
-# a loaded critic's per-sequence scoring, c0e0f7b, is part of the saving).
+# a loaded critic's per-sequence scoring, c0e0f7b, is part of the saving). On a clean clone of 4aeaa5d
+# (524 passed): 21:50 (main suite 21:37, vLLM 15:22 beside it; 39 CPU minutes); with OMP_NUM_THREADS=1
+# for every test process and vLLM's cores unbound, 22:00: the cores are busy with work, not spinning.
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \
@@ -114,7 +116,7 @@ test-py: setup
 # instead of 17 s)
 test-vllm: $(VLLM_STAMP) $(EXT_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_ENABLE_V1_MULTIPROCESSING=$${VLLM_ENABLE_V1_MULTIPROCESSING:-0} \
-	  $(VLLM_PY) -m pytest -q tests/test_vllm.py -m vllm
+	  $(VLLM_PY) -m pytest -q tests/test_vllm.py -m vllm --durations=10
 
 demo: install
 	rm -rf runs/demo

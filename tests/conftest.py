@@ -1,6 +1,7 @@
 """Shared fixtures. Real components only: tiny HF models built offline, real environments, real files."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -87,21 +88,100 @@ def qevolve_env() -> dict[str, str]:
     return env
 
 
+# Variables a command may differ in and still run from the fork server (tests/forkserver.py): qevolve reads its
+# own when the command runs, after the child took the command's environment; pytest's change with every test.
+# Any other difference (OMP_NUM_THREADS, HF_HOME, ...: read when a library is imported) gets a plain subprocess.
+LATE_READ = ("QEVOLVE_", "PYTEST_")
+
+
+class ForkServer:
+    """One per test process, started on first use (tests/forkserver.py): a real process per command."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] | None = None
+        self.busy = False
+
+    @staticmethod
+    def _fixed(env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if not k.startswith(LATE_READ)}
+
+    def usable(self, env: dict[str, str]) -> bool:
+        if os.environ.get("QEVOLVE_TEST_FORKSERVER", "1") == "0" or self.busy or sys.platform != "linux":
+            return False
+        if self.proc is not None and self.proc.poll() is not None:
+            self.proc = None
+        if self.proc is None:
+            self.env = qevolve_env()
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,
+                                         env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+            atexit.register(self.close)
+        return self._fixed(env) == self._fixed(self.env)
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        import signal
+        import tempfile
+
+        self.busy = True
+        try:
+            with tempfile.TemporaryDirectory(prefix="qevolve-fork-") as d:
+                out, err = Path(d) / "stdout", Path(d) / "stderr"
+                req = {"args": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+                self.proc.stdin.write((json.dumps(req) + "\n").encode())
+                pid = int(self._line(None).split()[1])
+                line = self._line(timeout)
+                if line is None:  # as subprocess.run: kill the command, then raise
+                    os.kill(pid, signal.SIGKILL)
+                    self._line(None)
+                    raise subprocess.TimeoutExpired([sys.executable, "-m", "qevolve_cli", *argv], timeout)
+                code = os.waitstatus_to_exitcode(int(line.split()[1]))
+                return subprocess.CompletedProcess([sys.executable, "-m", "qevolve_cli", *argv], code,
+                                                   out.read_text(), err.read_text())
+        except (OSError, ValueError, IndexError):
+            self.close()  # a broken server: the next command starts another
+            raise
+        finally:
+            self.busy = False
+
+    def _line(self, timeout: float | None) -> str | None:
+        import select
+
+        buf = b""
+        while not buf.endswith(b"\n"):
+            if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+                return None
+            c = self.proc.stdout.read(1)
+            if not c:
+                raise OSError("the fork server exited")
+            buf += c
+        return buf.decode()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+FORK_SERVER = ForkServer()
+
+
 def run_qevolve(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = False,
-                input: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                input: str | None = None, env: dict[str, str] | None = None,
+                fresh: bool = False) -> subprocess.CompletedProcess:
     """Run ``qevolve ARGS`` as a real subprocess (python -m qevolve_cli) from this checkout (``env``: extra
-    environment variables)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "qevolve_cli", *map(str, args)],
-        cwd=cwd or ROOT,
-        env={**qevolve_env(), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        input=input,
-    )
+    environment variables). Forked from :data:`FORK_SERVER` (libraries already imported) where it can be;
+    ``fresh``: a new interpreter, for tests of everything a process prints (warnings raised while torch or
+    transformers are imported included: the server's children never print those)."""
+    argv = [str(a) for a in args]
+    full_env = {**qevolve_env(), **(env or {})}
+    if input is None and not fresh and FORK_SERVER.usable(full_env):
+        proc = FORK_SERVER.run(argv, cwd or ROOT, full_env, timeout)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "qevolve_cli", *argv], cwd=cwd or ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout, input=input)
     if check and proc.returncode != 0:
-        raise AssertionError(f"qevolve {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"qevolve {' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
 
 

@@ -98,7 +98,7 @@ def test_docs_exist_that_user_text_cites():
 def test_init_model_quiet(tmp_path):
     loud = run_qevolve("init-model", "--out", tmp_path / "a", check=True)
     assert "init-model:" in loud.stderr and loud.stdout.startswith("wrote llama/tiny model")
-    quiet = run_qevolve("init-model", "--out", tmp_path / "b", "--quiet", check=True)
+    quiet = run_qevolve("init-model", "--out", tmp_path / "b", "--quiet", check=True, fresh=True)  # a whole process
     assert quiet.stderr == "" and quiet.stdout.startswith("wrote llama/tiny model")
     assert (tmp_path / "b" / "model.safetensors").is_file()
 

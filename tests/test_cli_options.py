@@ -47,14 +47,15 @@ def test_label_and_import_quiet_say_nothing_on_stderr(tmp_path) -> None:
     schema.write_table(synthetic_table(3, mean_steps=4, seed=1, source="expert", iteration=0, p_success=1.0), table)
     loud = run_qevolve("label", table, "--out", tmp_path / "l1.parquet", check=True)
     assert "wrote" in loud.stderr  # the summary line --quiet silences
-    quiet = run_qevolve("label", table, "--out", tmp_path / "l2.parquet", "--quiet", check=True)
+    quiet = run_qevolve("label", table, "--out", tmp_path / "l2.parquet", "--quiet", check=True, fresh=True)
     assert quiet.stderr == "" and quiet.stdout == ""
     assert (tmp_path / "l2.parquet").exists()
-    js = run_qevolve("label", table, "--out", tmp_path / "l3.parquet", "-q", "--json", check=True)
+    js = run_qevolve("label", table, "--out", tmp_path / "l3.parquet", "-q", "--json", check=True, fresh=True)
     assert js.stderr == "" and '"steps"' in js.stdout  # --json still prints its object on stdout
 
     src = tmp_path / "sft.json"
     src.write_text('[{"id": "t0", "conversations": [{"from": "human", "value": "Your task is to: put a lamp."}, '
                    '{"from": "gpt", "value": "Thought: go.\\nAction: go to desk 1"}]}]')
-    imp = run_qevolve("import", src, "--env", "alfworld", "--out", tmp_path / "i.parquet", "--quiet", check=True)
+    imp = run_qevolve("import", src, "--env", "alfworld", "--out", tmp_path / "i.parquet", "--quiet", check=True,
+                      fresh=True)
     assert imp.stderr == "" and (tmp_path / "i.parquet").exists()

@@ -93,6 +93,11 @@ install: setup
 # a loaded critic's per-sequence scoring, c0e0f7b, is part of the saving). On a clean clone of 4aeaa5d
 # (524 passed): 21:50 (main suite 21:37, vLLM 15:22 beside it; 39 CPU minutes); with OMP_NUM_THREADS=1
 # for every test process and vLLM's cores unbound, 22:00: the cores are busy with work, not spinning.
+# Each `qevolve` a test runs is forked from a per-worker server that has imported torch, transformers and peft
+# (tests/forkserver.py: still one real process per command; 5-10 CPU-s of imports saved per command). Clean
+# clones on 2026-11-27, experiments paused: 4242f1d (before) 24:00 (main suite 23:45, vLLM 16:12; 43.5 CPU
+# minutes); b4d4988 (the server) 21:29 (main suite 21:09, 524 passed; vLLM 11:38; 37.5 CPU minutes);
+# b4d4988 with TEST_WORKERS=3 22:17 (more processes than cores).
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \

@@ -101,6 +101,7 @@ class ForkServer:
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] | None = None
         self.busy = False
+        self.forked = 0  # commands run by the server (tests/test_forkserver.py)
 
     @staticmethod
     def _fixed(env: dict[str, str]) -> dict[str, str]:
@@ -129,6 +130,7 @@ class ForkServer:
                 req = {"args": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
                 self.proc.stdin.write((json.dumps(req) + "\n").encode())
                 pid = int(self._line(None).split()[1])
+                self.forked += 1
                 line = self._line(timeout)
                 if line is None:  # as subprocess.run: kill the command, then raise
                     os.kill(pid, signal.SIGKILL)

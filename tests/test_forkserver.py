@@ -61,7 +61,8 @@ def test_other_variables_get_a_fresh_interpreter(tmp_path):
 
 def test_a_timeout_kills_the_child_and_the_server_goes_on(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
-        run_qevolve("expert", "--env", "textcraft", "--limit", "200", "--out", tmp_path / "e.parquet", timeout=0.5)
+        run_qevolve("expert", "--env", "textcraft", "--limit", "200", "--workers", "1", "--out", tmp_path / "e.parquet",
+                    timeout=0.5)
     assert not (tmp_path / "e.parquet").exists()
     n = FORK_SERVER.forked
     assert run_qevolve("--version").returncode == 0 and FORK_SERVER.forked == n + 1

@@ -102,6 +102,7 @@ class ForkServer:
         self.env: dict[str, str] | None = None
         self.busy = False
         self.forked = 0  # commands run by the server (tests/test_forkserver.py)
+        atexit.register(self.close)
 
     @staticmethod
     def _fixed(env: dict[str, str]) -> dict[str, str]:
@@ -116,13 +117,13 @@ class ForkServer:
             self.env = qevolve_env()
             self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,
                                          env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-            atexit.register(self.close)
         return self._fixed(env) == self._fixed(self.env)
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         import signal
         import tempfile
 
+        cmd = [sys.executable, "-m", "qevolve_cli", *argv]  # what the command is, for the caller
         self.busy = True
         try:
             with tempfile.TemporaryDirectory(prefix="qevolve-fork-") as d:
@@ -135,10 +136,9 @@ class ForkServer:
                 if line is None:  # as subprocess.run: kill the command, then raise
                     os.kill(pid, signal.SIGKILL)
                     self._line(None)
-                    raise subprocess.TimeoutExpired([sys.executable, "-m", "qevolve_cli", *argv], timeout)
+                    raise subprocess.TimeoutExpired(cmd, timeout)
                 code = os.waitstatus_to_exitcode(int(line.split()[1]))
-                return subprocess.CompletedProcess([sys.executable, "-m", "qevolve_cli", *argv], code,
-                                                   out.read_text(), err.read_text())
+                return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
         except (OSError, ValueError, IndexError):
             self.close()  # a broken server: the next command starts another
             raise

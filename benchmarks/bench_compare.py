@@ -65,6 +65,29 @@ def finished_table(run: Path, cfg, ccfg) -> dict | None:
     return json.loads(t.read_text())
 
 
+def kept_table(path: Path, cfg, ccfg) -> dict | None:
+    """A seed's table kept by --keep-tables (a small JSON: the table and the two configuration hashes) when it
+    was made with this configuration: finished seeds survive their run directories (models are large; the
+    tables, per-task outcomes included, are a few tens of kB and can be committed)."""
+    if not path.is_file():
+        return None
+    kept = json.loads(path.read_text())
+    # the arms come from the run's base model, which may be gone: compare everything else
+    if kept.get("evolve_hash") != cfg.hash() or kept.get("compare_hash") != ccfg.replace(arms=kept["arms"]).hash():
+        return None
+    return kept["table"]
+
+
+def keep_table(path: Path, cfg, ccfg, table: dict, times: dict | None) -> None:
+    """Write a finished seed's table for kept_table, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"evolve_hash": cfg.hash(), "compare_hash": ccfg.hash(), "arms": list(ccfg.arms),
+                               "times": times,
+                               "table": table}, indent=None, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
 def summarize(tables: list[dict], n_boot: int) -> dict:
     """Per arm: mean / s.e. over seeds of every column and of the held-out tasks together; paired bootstrap
     intervals of the arm minus RFT and minus SFT on the same tasks."""
@@ -148,6 +171,12 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=None, help="Keep run directories here (default: a temp dir); a "
                                                             "rerun with the same DIR skips finished seeds.")
     ap.add_argument("--collect", action="store_true", help="Only read finished seeds (run nothing).")
+    ap.add_argument("--keep-tables", type=Path, default=None, help="Also keep each finished seed's table "
+                                                                   "(per-task outcomes, configuration hashes) "
+                                                                   "in DIR/ENV-PRESET-sSEED.json, and read "
+                                                                   "finished seeds from there: a seed kept "
+                                                                   "there is not re-run even when its run "
+                                                                   "directory is gone.")
     ap.add_argument("--markdown", action="store_true", help="Also print the tables for docs/compare.md (stderr).")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training stages (1: seeds side by "
                                                            "side on the tiny model; 2 for --preset cpu-smol, whose "
@@ -171,7 +200,10 @@ def main() -> None:
         for seed in a.seeds:
             run = root / f"{env}-{a.preset}-s{seed}"
             cfg = evolve_config(env, a.preset, seed, a.iters, select, a.eval_max_tasks)
-            table = finished_table(run, cfg, compare_config(env, a.best_of, select, run))
+            kept = a.keep_tables / f"{env}-{a.preset}-s{seed}.json" if a.keep_tables else None
+            ccfg = compare_config(env, a.best_of, select, run)
+            table = kept_table(kept, cfg, ccfg) if kept else None
+            table = table or finished_table(run, cfg, ccfg)
             if table is None and not a.collect:
                 t0 = time.perf_counter()
                 run_evolve(cfg, run, resume=True, echo=echo, quiet=not a.verbose)
@@ -179,6 +211,8 @@ def main() -> None:
                 ccfg = compare_config(env, a.best_of, select, run)  # the base model exists now
                 table = run_compare(run, ccfg, resume=True, echo=echo, quiet=not a.verbose)
                 times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
+            if table is not None and kept and kept_table(kept, cfg, ccfg) is None:
+                keep_table(kept, cfg, ccfg, table, times.get(seed))
             if table is None:
                 print(f"{env} seed {seed}: not finished (skipped)", file=sys.stderr, flush=True)
                 continue

@@ -102,6 +102,7 @@ class ForkServer:
         self.env: dict[str, str] | None = None
         self.busy = False
         self.forked = 0  # commands run by the server (tests/test_forkserver.py)
+        self.restarts = 0  # servers closed because os.environ changed under them
         atexit.register(self.close)
 
     @staticmethod
@@ -113,6 +114,11 @@ class ForkServer:
             return False
         if self.proc is not None and self.proc.poll() is not None:
             self.proc = None
+        if self.proc is not None and self._fixed(qevolve_env()) != self._fixed(self.env):
+            # an earlier test changed os.environ for good (in-process DeepSpeed sets MASTER_ADDR, ALFWorld sets
+            # ALFWORLD_DATA): libraries read those at import, so a server started before is stale
+            self.close()
+            self.restarts += 1
         if self.proc is None:
             self.env = qevolve_env()
             self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,

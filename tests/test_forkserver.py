@@ -21,8 +21,8 @@ def own_server():
 
 @pytest.fixture
 def server(own_server, monkeypatch) -> ForkServer:
-    """A server of this file's own, started with the environment as it is now (the worker's shared one keeps
-    the environment it started with, and earlier tests may have changed os.environ since)."""
+    """A server of this file's own, so that its counters (commands forked, restarts) count this file's
+    commands only."""
     monkeypatch.setattr(conftest, "FORK_SERVER", own_server)
     return own_server
 
@@ -82,3 +82,15 @@ def test_a_timeout_kills_the_child_and_the_server_goes_on(server, tmp_path):
     assert not (tmp_path / "e.parquet").exists()
     n = server.forked
     assert run_qevolve("--version").returncode == 0 and server.forked == n + 1
+
+
+def test_a_changed_environment_restarts_the_server(server, tmp_path, monkeypatch):
+    """A test that changes os.environ for good (in-process DeepSpeed sets MASTER_ADDR): the next command gets a
+    server started with the new environment, and the commands after it are forked again."""
+    assert run_qevolve("--version").returncode == 0
+    n, restarts = server.forked, server.restarts
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # read by huggingface_hub when it is imported
+    for _ in range(2):
+        assert run_qevolve("--version").returncode == 0
+    assert server.forked == n + 2 and server.restarts == restarts + 1
+    assert server.env["HF_HOME"] == str(tmp_path / "hf")

@@ -11,6 +11,11 @@ docs/compare.md on stderr. Resumable: a seed whose comparison is finished with t
 read, not re-run; an unfinished one resumes at its last finished stage.
 
     nice -n 10 python benchmarks/bench_compare.py --envs lamps lamps-hard --seeds 0 1 2 3 4 --runs runs/bench --markdown
+    # seeds side by side, one process and core each; finished seeds also kept as small tables that outlive runs/:
+    for s in 0 1; do OMP_NUM_THREADS=1 python benchmarks/bench_compare.py --envs lamps-habit --seeds $s \
+        --runs runs/bench --keep-tables benchmarks/results/compare_tables & done; wait
+    python benchmarks/bench_compare.py --envs lamps-habit --seeds 0 1 2 3 4 --collect \
+        --keep-tables benchmarks/results/compare_tables --markdown    # the seeds kept so far, run nothing
     # the pretrained model (SmolLM2-135M-Instruct, LoRA), one iteration, the arms' own settings, both cores:
     nice python benchmarks/bench_compare.py --envs lamps --preset cpu-smol --iters 1 --no-select --threads 2 \
         --seeds 0 1 2 --runs runs/smol --markdown

@@ -97,7 +97,12 @@ install: setup
 # (tests/forkserver.py: still one real process per command; 5-10 CPU-s of imports saved per command). Clean
 # clones on 2026-11-27, experiments paused: 4242f1d (before) 24:00 (main suite 23:45, vLLM 16:12; 43.5 CPU
 # minutes); b4d4988 (the server) 21:29 (main suite 21:09, 524 passed; vLLM 11:38; 37.5 CPU minutes);
-# b4d4988 with TEST_WORKERS=3 22:17 (more processes than cores).
+# b4d4988 with TEST_WORKERS=3 22:17 (more processes than cores). The server went stale whenever an earlier test
+# changed os.environ for good (in-process DeepSpeed sets MASTER_ADDR, ALFWorld sets ALFWORLD_DATA), and every later
+# command of that worker then ran in a fresh interpreter; since 787d0a1 it restarts instead: clean clone of
+# 787d0a1, 2026-11-27, experiments stopped, fresh installs (torch 2.15, transformers 5.24): 13:28 for all of
+# `make test` (main suite 13:16, 520 passed, 11 skipped: the clone had no ../shared/data, so the 7 ALFWorld
+# tests, 86 s alone, were among them; vLLM 7:58 beside it, 10 passed).
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \

@@ -390,3 +390,24 @@ def test_time_input_feeds_the_step_index_to_the_heads(tiny_model_dir, tmp_path):
     d.pop("time_input"), d.pop("time_scale")
     assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() != plain.hash() and CriticConfig(**SMALL, time_scale=8.0).hash() != plain.hash()
+
+
+def test_activation_checkpointing_on_cpu_changes_nothing_and_does_not_warn(tiny_model_dir, tmp_path):
+    """gradient_checkpointing recomputes the backbone's activations in backward: the same losses and values as
+    without it, and no deprecation warning from transformers (the helper uses its current name)."""
+    import warnings
+
+    df = labelled(n_traj=6, mean_steps=3, seed=5)
+    runs = {}
+    for gc in (False, True):
+        cfg = CriticConfig(**SMALL, epochs=2, lr=1e-3, batch_size=2, schedule="both", gradient_checkpointing=gc)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = train_critic(cfg, df, tiny_model_dir, tmp_path / f"c{gc}")
+        assert not [w for w in caught if "checkpointing_enable" in str(w.message)]
+        last = s["metrics"][-1]
+        assert last["q_updates"] > 0 and last["v_updates"] > 0
+        runs[gc] = ((last["loss_q"], last["loss_v"]),
+                    score_table(df, tmp_path / f"c{gc}", device="cpu")["value"].to_numpy())
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-4)
+    assert np.allclose(runs[True][1], runs[False][1], atol=1e-5)

@@ -419,3 +419,25 @@ def test_an_adopted_lora_candidate_finds_its_base_after_the_run_moves(tmp_path):
     want = str((moved / "base_model").resolve())
     assert adapter_base(moved / "iter_1" / "policy") == want
     assert adapter_base(moved / "iter_1" / "cand_base" / "policy") == want
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_checkpointing_is_enabled_without_a_deprecation_warning(tiny_model_dir, lora):
+    """The policy loader turns on activation checkpointing by the installed transformers' own name (its old name
+    is a deprecated alias in transformers 5 that prints a FutureWarning on every run), LoRA or not; the
+    critic's backbone uses the same helper."""
+    import warnings
+
+    from qevolve_cli.policy.config import PolicyConfig
+    from qevolve_cli.policy.trainer import load_policy
+
+    cfg = PolicyConfig(lora=lora, gradient_checkpointing=True, lora_r=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, policy, _ = load_policy(cfg, tiny_model_dir, "cpu")
+    names = [str(w.message) for w in caught if "checkpointing" in str(w.message)
+             and "is_gradient_checkpointing" not in str(w.message)]  # PEFT's own call: filtered by qevolve_cli
+    assert names == []
+    assert any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
+    assert not any(getattr(m, "gradient_checkpointing", False)
+                   for m in load_policy(cfg.replace(gradient_checkpointing=False), tiny_model_dir, "cpu")[1].modules())

@@ -127,6 +127,8 @@ class CriticModel(nn.Module):
         """Fresh critic: LoRA adapters on ``base_model``; q_target and the target heads start as copies of q."""
         from peft import LoraConfig, get_peft_model
 
+        from qevolve_cli.models import enable_activation_checkpointing
+
         device = device or torch.device(resolve_device(cfg.device))
         dtype = dtype or resolve_dtype(cfg.dtype, device)
         torch.manual_seed(cfg.seed)
@@ -140,7 +142,7 @@ class CriticModel(nn.Module):
         peft_model.add_adapter("q", lcfg)
         peft_model.add_adapter("q_target", lcfg)
         if cfg.gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(base, use_reentrant=False)
             base.enable_input_require_grads()
             base.train()  # HF checkpoints only in training mode (the backbone has no active dropout by default)
         model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model), cfg.time_scale,

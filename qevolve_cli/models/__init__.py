@@ -27,6 +27,19 @@ def adapter_base(model: str | Path) -> str | None:
     return base
 
 
+def enable_activation_checkpointing(model, use_reentrant: bool | None = None) -> None:
+    """Hugging Face activation (gradient) checkpointing on ``model`` (a transformers model or a PEFT model around
+    one), by the name the installed transformers has: ``activation_checkpointing_enable`` where it exists
+    (there ``gradient_checkpointing_enable`` is a deprecated alias that prints a FutureWarning on every run),
+    ``gradient_checkpointing_enable`` in the versions before it. ``use_reentrant`` None: the library's default."""
+    kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def record_adapter_base(adapter_dir: str | Path) -> None:
     """Beside a saved adapter, ``qevolve_adapter.json``: where its base model directory lies relative to the
     adapter. PEFT records the base's absolute path (``base_model_name_or_path``, left as it is for PEFT and

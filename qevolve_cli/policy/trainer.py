@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from qevolve_cli.errors import QevolveError, TableError
+from qevolve_cli.models import enable_activation_checkpointing
 from qevolve_cli.policy.config import PolicyConfig
 from qevolve_cli.policy.data import PolicyExample, build_examples, collate, data_paths, load_policy_table
 from qevolve_cli.policy.logprobs import batch_logprobs, compute_logprobs, dpo_pair_stats, step_logprob_stats
@@ -139,7 +140,7 @@ def load_policy(cfg: PolicyConfig, model_path: Path, device: str):
     if cfg.lora:
         policy = apply_lora(policy, cfg)
     if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        enable_activation_checkpointing(policy)
         if cfg.lora:
             policy.enable_input_require_grads()
     policy.to(device)

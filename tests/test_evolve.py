@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,9 @@ def test_smoke_run_complete(smoke_run):
     assert ro["env_steps"] == pl.read_parquet(smoke_run / "iter_1/rollout.parquet").height > 0
     plan = (smoke_run / "plan.sh").read_text()
     assert "qevolve critic --data iter_1/labeled.parquet" in plan and "qevolve policy --objective bppo" in plan
+    # no library warning reaches the user's terminal (a deprecated transformers name, an empty matplotlib legend)
+    stderr = (smoke_run.parent / "stderr.txt").read_text()
+    assert not re.findall(r"\w+Warning: .*", stderr), stderr[-3000:]
 
 
 def test_finished_run_resumes_as_noop(smoke_run):

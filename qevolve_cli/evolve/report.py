@@ -77,7 +77,7 @@ def _plot_scores(run: Path, rows, splits, out: Path) -> None:
         a.set_xlabel("iteration (0 = BC)")
         a.set_title(t)
         a.grid(alpha=0.3)
-        a.legend()
+        _legend(a, "no evaluations", fontsize=10)
     fig.suptitle(run.name)
     fig.tight_layout()
     _save(fig, out)
@@ -115,6 +115,15 @@ def _heldout_curves(run: Path) -> dict[int, dict[str, list[float | None]]]:
     return curves
 
 
+def _legend(ax, empty: str, fontsize: int = 7) -> None:
+    """The axes' legend, or ``empty`` written across them when nothing was drawn (matplotlib warns on an empty
+    legend: a run without held-out trajectories is no reason to print a library warning)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)
+    else:
+        ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", fontsize=8, color="grey")
+
+
 def _plot_diagnostics(diags: dict[int, dict[str, Any]], curves, out: Path) -> bool:
     """Per iteration: held-out curves per epoch, V along the steps (success vs failed), calibration of V."""
     if not diags:
@@ -136,7 +145,7 @@ def _plot_diagnostics(diags: dict[int, dict[str, Any]], curves, out: Path) -> bo
         ax.set_title(f"iteration {k}: held-out per epoch")
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, "no held-out trajectories")
         ax = row[1]
         for name in ("success", "failed"):
             ys = (d.get("v_by_step") or {}).get(name, [])
@@ -144,7 +153,7 @@ def _plot_diagnostics(diags: dict[int, dict[str, Any]], curves, out: Path) -> bo
         ax.set_title(f"iteration {k}: V(s_t) along the steps ({d.get('on', '')})")
         ax.set_xlabel("step t")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, "no trajectories")
         ax = row[2]
         cal = d.get("calibration") or []
         if cal:
@@ -156,7 +165,7 @@ def _plot_diagnostics(diags: dict[int, dict[str, Any]], curves, out: Path) -> bo
         ax.set_xlabel("V(s_t)")
         ax.set_ylabel("discounted return")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, "no calibration bins")
     fig.tight_layout()
     _save(fig, out)
     return True
@@ -214,7 +223,7 @@ def _plot_critic(curves, out: Path) -> bool:
         ax.set_xlabel("log record (epoch)")
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, "no losses logged")
     fig.tight_layout()
     _save(fig, out)
     return True
@@ -243,7 +252,7 @@ def _plot_advantages(run: Path, out: Path) -> dict[str, Any]:
                 ax.hist(a, bins=40, alpha=0.55, label=f"{src} (mean {a.mean():+.3f})", density=True)
                 stats[k][src] = {"mean": float(a.mean()), "positive_share": float((a > 0).mean()), "n": int(len(a))}
         ax.set_title(f"advantage by source, {k}")
-        ax.legend(fontsize=8)
+        _legend(ax, "no advantages", fontsize=8)
     fig.tight_layout()
     _save(fig, out)
     return stats

@@ -182,6 +182,10 @@ def test_config_errors():
         resolve("mars", "smoke")
     with pytest.raises(ConfigError, match="no base model"):
         resolve("sciworld", "paper")
+    # a critic input evolve's own tables lack is refused when the config is read, not at the critic stage
+    with pytest.raises(ConfigError, match=r"critic\.time_input.*steps_left column"):
+        resolve("lamps", "smoke", overrides={"iterations": [{"critic": {"time_input": "steps_left"}}]})
+    assert resolve("lamps", "smoke", overrides={"critic": {"time_input": "step"}}).stage("critic", 1).time_input == "step"
     cfg = resolve("sciworld", "paper", overrides={"model": "/m"})
     # paper table "Iteration 1 vs Iteration 2" for SciWorld
     assert cfg.stage("policy", 1).lr == 5e-6 and cfg.stage("policy", 1).old_refresh_steps == 50

@@ -209,6 +209,9 @@ class EvolveConfig(ConfigBase):
         if name == "critic":
             from qevolve_cli.critic.config import CriticConfig
 
+            if d.get("time_input") == "steps_left":  # refused here, not an hour later at the critic stage
+                raise ConfigError("evolve config: critic", "time_input", "steps_left needs a steps_left column, "
+                                  "which evolve's rollouts do not write; use step (docs/critic.md, \"Time input\")")
             d.setdefault("seed", self.seed)
             return CriticConfig.from_dict(d, source="evolve config: critic")
         if name == "label":

@@ -102,7 +102,9 @@ install: setup
 # command of that worker then ran in a fresh interpreter; since 787d0a1 it restarts instead: clean clone of
 # 787d0a1, 2026-11-27, experiments stopped, fresh installs (torch 2.15, transformers 5.24): 13:28 for all of
 # `make test` (main suite 13:16, 520 passed, 11 skipped: the clone had no ../shared/data, so the 7 ALFWorld
-# tests, 86 s alone, were among them; vLLM 7:58 beside it, 10 passed).
+# tests, 86 s alone, were among them; vLLM 7:58 beside it, 10 passed). With the data (clean clone of 8f39e8a,
+# ../shared/data present, experiments stopped): 14:15 (main suite 14:01, 532 passed, 2 skipped: GPU only;
+# vLLM 8:04 beside it, 10 passed); 1642 s of test time summed over the files.
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \

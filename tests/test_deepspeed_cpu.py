@@ -240,6 +240,7 @@ def test_policy_bppo_killed_mid_epoch_in_one_process_resumes_like_the_uninterrup
     killed = killed_run(tmp_path / "plain.partial", out, "checkpoint.json")
     assert (killed["pointer"]["step"], killed["pointer"]["epoch"], killed["pointer"]["epoch_step"]) == (3, 1, 1)
     assert not killed["out_exists"] and {f.split("/")[0] for f in killed["files"]} == {"checkpoint.json", "metrics.jsonl", "step00000003"}
+    assert "step00000003/optimizer.pt" in killed["files"] and not killed["pointer"]["weights_only"]  # training goes on
     summary = qevolve_here(*cmd)
     assert summary["resumed_from_step"] == 3 and summary["optimizer_steps"] == 4
     assert_same_tensors(load_file(str(out / "adapter_model.safetensors")),
@@ -264,6 +265,9 @@ def test_policy_killed_after_its_last_step_resumes_without_training(bppo_runs, p
     killed = killed_run(tmp_path / "plain.partial", out, "checkpoint.json")
     assert (killed["pointer"]["step"], killed["pointer"]["epoch"], killed["pointer"]["epoch_step"]) == (4, 2, 0)
     assert not killed["out_exists"]
+    # nothing trains from the last step's checkpoint: the weights without the optimiser state
+    assert killed["pointer"]["weights_only"] and "step00000004/trainable.safetensors" in killed["files"]
+    assert not [f for f in killed["files"] if f.endswith("optimizer.pt")], killed["files"]
     summary = qevolve_here(*cmd)
     ref = json.loads((bppo_runs / "plain" / "train_summary.json").read_text())
     assert (summary["resumed_from_step"], summary["optimizer_steps"], summary["train_tokens"]) == (4, 4, 0)

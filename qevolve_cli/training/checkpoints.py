@@ -172,9 +172,13 @@ def kill_after_checkpoint(step: int, ckpt_dir: Path) -> None:
 
 
 def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: dict[str, int],
-                     extra: dict[str, Any] | None = None, fingerprint: str | None = None) -> None:
+                     extra: dict[str, Any] | None = None, fingerprint: str | None = None,
+                     final: bool = False) -> None:
     """Checkpoint of the loop at ``pos`` (``epoch``, ``epoch_step``: steps done in it, ``step``: global);
-    collective: every rank calls it.
+    collective: every rank calls it. ``final``: the checkpoint after the very last optimiser step, which
+    nothing trains from again: the torch backend leaves the optimiser state out (two fp32 copies of the
+    trainable weights under AdamW, the bulk of a full-weight checkpoint), and the pointer says so
+    (``weights_only``); DeepSpeed's ``save_checkpoint`` always writes its ZeRO optimiser shards.
 
     ``ckpt_dir/stepNNNNNNNN/`` gets the backend's state (:meth:`TorchBackend.save_state`,
     :meth:`DeepSpeedBackend.save_state`), one RNG file per rank, and from rank 0 ``state.pt``
@@ -187,7 +191,11 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     tag = checkpoint_tag(pos["step"])
     tag_dir = start_checkpoint(Path(ckpt_dir), tag, backend.is_main)
     backend.barrier()
-    backend.save_state(tag_dir, model, optimizer)
+    weights_only = final and getattr(backend, "checkpoint_kind", "torch") == "torch"
+    if weights_only:
+        backend.save_state(tag_dir, model, None)
+    else:
+        backend.save_state(tag_dir, model, optimizer)
     torch.save(rng_state(), tag_dir / f"rng_rank{backend.rank}.pt")
     if backend.is_main:
         torch.save({"scheduler": scheduler.state_dict(), **pos}, tag_dir / "state.pt")
@@ -198,7 +206,7 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     backend.barrier()
     if backend.is_main:
         commit_checkpoint(Path(ckpt_dir), POINTER, {"tag": tag, **pos, **checkpoint_meta(backend),
-                                                        "fingerprint": fingerprint})
+                                                        "fingerprint": fingerprint, "weights_only": weights_only})
     backend.barrier()
     kill_after_checkpoint(pos["step"], ckpt_dir)
 
@@ -210,7 +218,8 @@ def load_checkpoint(backend, ckpt_dir: Path, meta: dict[str, Any], model, optimi
     from safetensors.torch import load_file
 
     tag_dir = Path(ckpt_dir) / meta["tag"]
-    backend.load_state(tag_dir, model, optimizer)
+    # a final checkpoint has no optimiser state: the loop resumes past its last step and trains nothing
+    backend.load_state(tag_dir, model, None if meta.get("weights_only") else optimizer)
     st = torch.load(tag_dir / "state.pt", map_location="cpu", weights_only=True)
     scheduler.load_state_dict(st["scheduler"])
     for g, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):

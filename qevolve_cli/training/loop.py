@@ -220,7 +220,7 @@ def train_loop(model, make_steps: Callable[[int], list[list[Any]]], loss_fn: Los
                                else {"epoch": epoch, "epoch_step": i + 1, "step": step})
                         extra = hooks.extra_state() if hooks.extra_state is not None else None
                         write_checkpoint(backend, ckpt_dir, model, optimizer, scheduler, pos, extra,
-                                         args.fingerprint)
+                                         args.fingerprint, final=step >= total)
                 if done:
                     break
                 backend.barrier()

@@ -45,14 +45,16 @@ class TorchBackend:
     checkpoint_kind = "torch"
 
     def save_state(self, tag_dir: Path, model, optimizer) -> None:
-        """Write the trainable parameters (safetensors) and the optimiser state into ``tag_dir`` (rank 0:
-        the state is replicated). Called on every rank (the DeepSpeed backend's is a collective)."""
+        """Write the trainable parameters (safetensors) and the optimiser state (none when ``optimizer`` is
+        None: a final checkpoint) into ``tag_dir`` (rank 0: the state is replicated). Called on every rank
+        (the DeepSpeed backend's is a collective)."""
         import torch
         from safetensors.torch import save_file
 
         if self.is_main:
             save_file(_trainable_state(self.unwrap(model)), str(tag_dir / "trainable.safetensors"))
-            torch.save(optimizer.state_dict(), tag_dir / "optimizer.pt")
+            if optimizer is not None:
+                torch.save(optimizer.state_dict(), tag_dir / "optimizer.pt")
 
     def load_state(self, tag_dir: Path, model, optimizer) -> None:
         import torch
@@ -65,7 +67,8 @@ class TorchBackend:
             raise QevolveError(f"{tag_dir}: checkpoint does not match the model (e.g. {sorted(unknown)[0]}); "
                                "delete it to start over")
         m.load_state_dict(params, strict=False)
-        optimizer.load_state_dict(torch.load(tag_dir / "optimizer.pt", map_location="cpu", weights_only=True))
+        if optimizer is not None:  # None: a final checkpoint, written without it
+            optimizer.load_state_dict(torch.load(tag_dir / "optimizer.pt", map_location="cpu", weights_only=True))
 
     def optimizer_step(self, model, optimizer, params, max_norm: float) -> float:
         """Clip (``max_norm`` > 0) and step -> the gradient norm before clipping."""

@@ -104,7 +104,9 @@ install: setup
 # `make test` (main suite 13:16, 520 passed, 11 skipped: the clone had no ../shared/data, so the 7 ALFWorld
 # tests, 86 s alone, were among them; vLLM 7:58 beside it, 10 passed). With the data (clean clone of 8f39e8a,
 # ../shared/data present, experiments stopped): 14:15 (main suite 14:01, 532 passed, 2 skipped: GPU only;
-# vLLM 8:04 beside it, 10 passed); 1642 s of test time summed over the files.
+# vLLM 8:04 beside it, 10 passed); 1642 s of test time summed over the files. The commit before the restart
+# (725086a), same machine and day: 15:25 (main suite 15:13, 528 passed; 1785 s summed). Most of the gain over
+# session 18's 21:29 is the machine and the libraries (this CPU has AMX; torch 2.15), not the restart.
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \

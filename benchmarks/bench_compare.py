@@ -88,8 +88,7 @@ def keep_table(path: Path, cfg, ccfg, table: dict, times: dict | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"evolve_hash": cfg.hash(), "compare_hash": ccfg.hash(), "arms": list(ccfg.arms),
-                               "times": times,
-                               "table": table}, indent=None, sort_keys=True) + "\n")
+                               "times": times, "table": table}, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 
@@ -208,6 +207,7 @@ def main() -> None:
             kept = a.keep_tables / f"{env}-{a.preset}-s{seed}.json" if a.keep_tables else None
             ccfg = compare_config(env, a.best_of, select, run)
             table = kept_table(kept, cfg, ccfg) if kept else None
+            from_kept = table is not None
             table = table or finished_table(run, cfg, ccfg)
             if table is None and not a.collect:
                 t0 = time.perf_counter()
@@ -216,7 +216,7 @@ def main() -> None:
                 ccfg = compare_config(env, a.best_of, select, run)  # the base model exists now
                 table = run_compare(run, ccfg, resume=True, echo=echo, quiet=not a.verbose)
                 times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
-            if table is not None and kept and kept_table(kept, cfg, ccfg) is None:
+            if table is not None and kept and not from_kept:
                 keep_table(kept, cfg, ccfg, table, times.get(seed))
             if table is None:
                 print(f"{env} seed {seed}: not finished (skipped)", file=sys.stderr, flush=True)

@@ -114,13 +114,14 @@ class ForkServer:
             return False
         if self.proc is not None and self.proc.poll() is not None:
             self.proc = None
-        if self.proc is not None and self._fixed(qevolve_env()) != self._fixed(self.env):
+        current = qevolve_env()
+        if self.proc is not None and self._fixed(current) != self._fixed(self.env):
             # an earlier test changed os.environ for good (in-process DeepSpeed sets MASTER_ADDR, ALFWorld sets
             # ALFWORLD_DATA): libraries read those at import, so a server started before is stale
             self.close()
             self.restarts += 1
         if self.proc is None:
-            self.env = qevolve_env()
+            self.env = current
             self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,
                                          env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         return self._fixed(env) == self._fixed(self.env)

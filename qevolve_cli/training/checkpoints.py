@@ -192,10 +192,7 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     tag_dir = start_checkpoint(Path(ckpt_dir), tag, backend.is_main)
     backend.barrier()
     weights_only = final and getattr(backend, "checkpoint_kind", "torch") == "torch"
-    if weights_only:
-        backend.save_state(tag_dir, model, None)
-    else:
-        backend.save_state(tag_dir, model, optimizer)
+    backend.save_state(tag_dir, model, None if weights_only else optimizer)
     torch.save(rng_state(), tag_dir / f"rng_rank{backend.rank}.pt")
     if backend.is_main:
         torch.save({"scheduler": scheduler.state_dict(), **pos}, tag_dir / "state.pt")

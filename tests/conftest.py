@@ -103,6 +103,7 @@ class ForkServer:
         self.busy = False
         self.forked = 0  # commands run by the server (tests/test_forkserver.py)
         self.restarts = 0  # servers closed because os.environ changed under them
+        self.changed_to: dict[str, str] | None = None  # the changed environment of the last command, not yet served
         atexit.register(self.close)
 
     @staticmethod
@@ -116,10 +117,16 @@ class ForkServer:
             self.proc = None
         current = qevolve_env()
         if self.proc is not None and self._fixed(current) != self._fixed(self.env):
-            # an earlier test changed os.environ for good (in-process DeepSpeed sets MASTER_ADDR, ALFWorld sets
-            # ALFWORLD_DATA): libraries read those at import, so a server started before is stale
+            # os.environ changed under the server: libraries read it at import, so the server is stale for it.
+            # Once (a test's monkeypatched HF_HOME, reverted after it) the command runs in a fresh interpreter
+            # and the server stays for the old environment; a second command under the same change (in-process
+            # DeepSpeed sets MASTER_ADDR, ALFWorld sets ALFWORLD_DATA, for good) gets a server of its own
+            if self._fixed(current) != self.changed_to:
+                self.changed_to = self._fixed(current)
+                return False
             self.close()
             self.restarts += 1
+        self.changed_to = None
         if self.proc is None:
             self.env = current
             self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,

@@ -85,12 +85,27 @@ def test_a_timeout_kills_the_child_and_the_server_goes_on(server, tmp_path):
 
 
 def test_a_changed_environment_restarts_the_server(server, tmp_path, monkeypatch):
-    """A test that changes os.environ for good (in-process DeepSpeed sets MASTER_ADDR): the next command gets a
-    server started with the new environment, and the commands after it are forked again."""
+    """A test that changes os.environ for good (in-process DeepSpeed sets MASTER_ADDR): the first command under
+    the change runs in a fresh interpreter, the second gets a server started with the new environment, and the
+    commands after it are forked again."""
     assert run_qevolve("--version").returncode == 0
     n, restarts = server.forked, server.restarts
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # read by huggingface_hub when it is imported
-    for _ in range(2):
+    for _ in range(3):
         assert run_qevolve("--version").returncode == 0
     assert server.forked == n + 2 and server.restarts == restarts + 1
     assert server.env["HF_HOME"] == str(tmp_path / "hf")
+
+
+def test_a_change_for_one_command_keeps_the_server(server, tmp_path, monkeypatch):
+    """A test that sets HF_HOME for one command and reverts it (tests/test_hub.py): that command runs fresh,
+    and the server, still right for the environment after it, forks the next one without a restart."""
+    for _ in range(2):  # a server for this test's environment, whatever the test before left
+        assert run_qevolve("--version").returncode == 0
+    n, restarts, proc = server.forked, server.restarts, server.proc
+    with monkeypatch.context() as m:
+        m.setenv("HF_HOME", str(tmp_path / "hf"))
+        assert run_qevolve("--version").returncode == 0
+    assert server.forked == n and server.restarts == restarts
+    assert run_qevolve("--version").returncode == 0
+    assert server.forked == n + 1 and server.restarts == restarts and server.proc is proc

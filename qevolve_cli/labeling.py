@@ -25,6 +25,7 @@ from qevolve_cli.tokenizer import load_tokenizer
 
 @dataclass
 class LabelConfig(ConfigBase):
+    HASH_OMIT_AT_DEFAULT = ("step_limit",)  # added 2026-11-28: older runs resume
     rules: str | None = field(None, help="YAML file of per-environment labelling rules (default: configs/labels.yaml).")
     retrospective: bool = field(True, help="Assign retrospective auxiliary rewards; false = ablation 'w/o RR' (all zero).")
     weight_temporal: bool = field(True, help="Keep the temporal term t/T of the step weight w_t.")
@@ -50,6 +51,10 @@ class LabelConfig(ConfigBase):
     expectile: float = field(0.7, help="tabular_iql: expectile m of V (the critic's default).", gt=0, lt=1)
     oracle_max_steps: int | None = field(None, help="oracle / tabular_iql: the self-play episodes' step limit (expert rows use the expert's; default: "
                                                     "the environment's).", gt=0)
+    step_limit: int | None = field(None, help="Fill steps_left (step_limit - step) on the rows without one (expert "
+                                              "demonstrations, tables of older versions), for a critic with "
+                                              "time_input steps_left: the self-play episodes' step limit "
+                                              "(docs/critic.md, \"Time input\"). Default: leave them null.", gt=0)
 
 
 def load_rules(path: str | Path | None, envs: list[str]) -> list[dict[str, Any]]:
@@ -129,6 +134,8 @@ def label_frame(
     success = core.trajectory_success(offs, df["reward_env"])
     weight = core.step_weights(offs, success, df.height, cfg.weight_temporal, cfg.weight_success)
     df = df.with_columns(reward_aux, aux_kind, core.broadcast(offs, success, "success"), weight)
+    if cfg.step_limit is not None:
+        df = fill_steps_left(df, cfg.step_limit)
     timings["weights"] = time.perf_counter() - t0
 
     if tokenizer is not None:
@@ -168,6 +175,14 @@ def label_frame(
         raise QevolveError(f"advantage={cfg.advantage!r} needs critic values: pass --critic DIR "
                            "(or inputs with value/next_value)")
     return df, timings
+
+
+def fill_steps_left(df: pl.DataFrame, limit: int) -> pl.DataFrame:
+    """``steps_left`` = ``limit`` - ``step`` where the table has none (the column added when missing); the
+    values a rollout wrote are kept."""
+    fill = (pl.lit(limit, pl.Int32) - pl.col("step")).cast(pl.Int32)
+    col = pl.coalesce(pl.col("steps_left"), fill) if "steps_left" in df.columns else fill
+    return df.with_columns(col.alias("steps_left"))
 
 
 def with_advantage(df: pl.DataFrame, offs, cfg: LabelConfig, source: Any = None) -> pl.DataFrame:

@@ -62,6 +62,7 @@ EXTRA_COLUMNS: dict[str, pl.DataType] = {
     "truncated": pl.Boolean(),  # context truncated for this step (oldest turns dropped)
     "task_type": pl.String(),  # environment task family (e.g. ALFWorld pick_and_place)
     "seq_len": pl.Int32(),  # tokens of the whole tokenised trajectory
+    "steps_left": pl.Int32(),  # turns the episode had left before its step limit at this step (rollout, eval)
 }
 ALL_COLUMNS: dict[str, pl.DataType] = {
     **BASE_COLUMNS,
@@ -70,7 +71,7 @@ ALL_COLUMNS: dict[str, pl.DataType] = {
     **CRITIC_COLUMNS,
     **EXTRA_COLUMNS,
 }
-NULLABLE = {"command", "error", "value", "next_value", "advantage", "task_type"}
+NULLABLE = {"command", "error", "value", "next_value", "advantage", "task_type", "steps_left"}
 FLOAT_CHECKED = ["reward_env", "reward_aux", "weight", "value", "next_value", "advantage"]
 AUX_KINDS = ("none", "format", "invalid", "repeat")
 SOURCES = ("expert", "self")

@@ -371,6 +371,8 @@ def test_time_input_feeds_the_step_index_to_the_heads(tiny_model_dir, tmp_path):
     c2.save(tmp_path / "critic_sl", tok)
     with pytest.raises(TableError, match="column 'steps_left': missing column"):
         score_table(df, tmp_path / "critic_sl", device="cpu")
+    with pytest.raises(TableError, match=r"column 'steps_left': \d+ null values \(.*--step-limit N"):
+        score_table(df.with_columns(pl.lit(None, pl.Int32).alias("steps_left")), tmp_path / "critic_sl", device="cpu")
     n = df.group_by("traj_id").len().rename({"len": "T"})
     df_sl = schema.sort_steps(df.join(n, on="traj_id").with_columns((pl.col("T") + 3 - pl.col("step")).alias("steps_left"))
                               .drop("T"))

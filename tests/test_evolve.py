@@ -182,9 +182,6 @@ def test_config_errors():
         resolve("mars", "smoke")
     with pytest.raises(ConfigError, match="no base model"):
         resolve("sciworld", "paper")
-    # a critic input evolve's own tables lack is refused when the config is read, not at the critic stage
-    with pytest.raises(ConfigError, match=r"critic\.time_input.*steps_left column"):
-        resolve("lamps", "smoke", overrides={"iterations": [{"critic": {"time_input": "steps_left"}}]})
     assert resolve("lamps", "smoke", overrides={"critic": {"time_input": "step"}}).stage("critic", 1).time_input == "step"
     cfg = resolve("sciworld", "paper", overrides={"model": "/m"})
     # paper table "Iteration 1 vs Iteration 2" for SciWorld
@@ -210,16 +207,34 @@ def test_bad_override_file(tmp_path):
 
 @pytest.mark.slow
 def test_sciworld_smoke_two_iterations(tmp_path):
-    """The issue's CI check: `qevolve evolve --env sciworld --iters 2 --preset smoke` end to end on CPU."""
+    """The issue's CI check: `qevolve evolve --env sciworld --iters 2 --preset smoke` end to end on CPU. Iteration
+    2's critic takes the steps left as its time input: the rollouts write them, the label stage fills the expert
+    demonstrations' from the rollouts' step limit, and the critic reads them."""
     run = tmp_path / "sw"
+    over = tmp_path / "over.yaml"
+    over.write_text("iterations:\n  - {}\n  - critic: {time_input: steps_left}\n")
     r = run_qevolve("evolve", "--env", "sciworld", "--iters", "2", "--preset", "smoke", "--run-dir", run, "--json",
-                    timeout=1200)
+                    "--config", over, timeout=1200)
     assert r.returncode == 0, r.stderr[-4000:]
     rep = json.loads(r.stdout)
     assert [row["name"] for row in rep["rows"]] == ["BC", "iter 1", "iter 2"]
     st = manifest(run)
     assert all(v["status"] == "done" for v in st.values())
     assert pl.read_parquet(run / "iter_2/rollout.parquet")["iteration"].unique().to_list() == [2]
+    limit = 3  # the smoke preset's rollout max_steps
+    for k, filled in ((1, False), (2, True)):
+        lab = pl.read_parquet(run / f"iter_{k}/labeled.parquet")
+        self_rows, expert = lab.filter(pl.col("source") == "self"), lab.filter(pl.col("source") == "expert")
+        assert (self_rows["steps_left"] == limit - self_rows["step"]).all()
+        if filled:
+            assert (expert["steps_left"] == limit - expert["step"]).all()
+        else:  # a critic without the time input: the expert rows are left as they were
+            assert expert["steps_left"].null_count() == expert.height > 0
+    assert json.loads((run / "iter_2/critic/critic.json").read_text())["time_input"] == "steps_left"
+    # the stage configs plan.sh replays say the same
+    assert "step_limit: 3" in (run / "stages/label_2.yaml").read_text()
+    assert "step_limit: null" in (run / "stages/label_1.yaml").read_text()
+    assert json.loads((run / "iter_1/critic/critic.json").read_text()).get("time_input", "none") == "none"
 
 
 def test_iteration_overrides_merge_entry_by_entry():

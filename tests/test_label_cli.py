@@ -74,6 +74,45 @@ def test_label_advantage_from_values(tmp_path, buffers):
     assert np.allclose(td["advantage"].to_numpy(), want_td, atol=1e-5)
 
 
+def test_label_step_limit_fills_steps_left_where_missing(tmp_path, buffers):
+    """--step-limit N: rows without steps_left (the expert table has no such column) get N - step; the values a
+    rollout wrote are kept; without the flag the expert rows stay null and the default config's hash is the one
+    runs made before the field had (they resume)."""
+    import dataclasses
+    import hashlib
+
+    from qevolve_cli.labeling import LabelConfig
+
+    pe, ps = buffers
+    selfp = schema.read_table(ps)
+    own = (20 - pl.col("step")).cast(pl.Int32).alias("steps_left")  # a limit of its own, to tell them apart
+    src = tmp_path / "self_sl.parquet"
+    schema.write_table(selfp.with_columns(own), src)
+    for flag, want_expert in ((["--step-limit", "9"], True), ([], False)):
+        out = tmp_path / f"l{len(flag)}.parquet"
+        r = runner.invoke(app, ["label", str(pe), str(src), "--out", str(out), *flag])
+        assert r.exit_code == 0, r.output
+        df = schema.read_table(out)
+        s, e = df.filter(pl.col("source") == "self"), df.filter(pl.col("source") == "expert")
+        assert df["steps_left"].dtype == pl.Int32
+        assert (s["steps_left"] == 20 - s["step"]).all()
+        if want_expert:
+            assert (e["steps_left"] == 9 - e["step"]).all() and e.height > 0
+        else:
+            assert e["steps_left"].null_count() == e.height > 0
+    out = tmp_path / "e.parquet"
+    assert runner.invoke(app, ["label", str(pe), "--out", str(out), "--step-limit", "4"]).exit_code == 0
+    e = schema.read_table(out)
+    assert (e["steps_left"] == 4 - e["step"]).all() and (e["step"] >= 4).any()  # past the limit: negative
+    assert "steps_left" not in schema.read_table(pe).columns
+    d = dataclasses.asdict(LabelConfig())
+    d.pop("step_limit")
+    assert LabelConfig().hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert LabelConfig(step_limit=9).hash() != LabelConfig().hash()
+    r = runner.invoke(app, ["label", str(pe), "--out", str(tmp_path / "x.parquet"), "--step-limit", "0"])
+    assert r.exit_code == 2 and r.output == "error: --step-limit: must be > 0, got 0\n"
+
+
 def test_label_no_retrospective_ablation(tmp_path, buffers):
     pe, ps = buffers
     out = tmp_path / "norr.parquet"

@@ -60,6 +60,8 @@ def _check_table(path: Path, env: str, n_traj: int, max_steps: int, iteration: i
     # rewards are episodic: zero before the last step
     assert (df.filter(~pl.col("done"))["reward_env"] == 0).all()
     assert df["error"].null_count() == df.height
+    # the turns left before the step limit (the time input of a critic with time_input steps_left)
+    assert df["steps_left"].dtype == pl.Int32 and (df["steps_left"] == max_steps - df["step"]).all()
     return df
 
 

@@ -33,6 +33,7 @@ Examples:
   qevolve label labeled.parquet --critic runs/iter_1/critic --out advantages.parquet --json
   qevolve label buf.parquet --out l.parquet --no-retrospective     # ablation w/o RR
   qevolve label expert.parquet self.parquet --out exact.parquet --value-source oracle   # exact V* (lamps)
+  qevolve label expert.parquet self.parquet --out l.parquet --step-limit 26   # steps_left on the expert rows too
 """
 
 
@@ -52,6 +53,9 @@ def register(app: typer.Typer) -> None:
         value_source: Annotated[str | None, typer.Option(
             "--value-source", help="value/next_value from: critic (default; --critic), oracle (exact V* of the "
                                    "env's solver: lamps, lamps-hard, lamps-habit), tabular_iql (exact IQL on the table).")] = None,
+        step_limit: Annotated[int | None, typer.Option(
+            "--step-limit", help="Fill steps_left (N - step) on rows without one, such as expert demonstrations: the "
+                                 "self-play episodes' step limit, for a critic with time_input steps_left.")] = None,
         print_cfg: PrintConfigOpt = False,
         json_out: JsonOpt = False,
         quiet: QuietOpt = False,
@@ -61,7 +65,7 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.labeling import LabelConfig, label_tables
 
             flags = flag_layer({"advantage": advantage, "retrospective": retrospective, "max_length": max_length,
-                                "value_source": value_source},
+                                "value_source": value_source, "step_limit": step_limit},
                                rename={"retrospective": "--retrospective/--no-retrospective"})
             res = resolve_layers(LabelConfig, file_layers(
                 config, "label" if config and _has_section(config, "label") else None) + [flags])

@@ -75,9 +75,12 @@ def build_items(df: pl.DataFrame, tokenizer: Any, max_length: int | None = None,
 
     if time_column not in df.columns:
         raise TableError(source, time_column, "missing column: the critic's time input reads it (time_input; "
+                                              "qevolve rollout writes it, label --step-limit N fills it; "
                                               "docs/critic.md, 'Time input')")
     if df[time_column].null_count():
-        raise TableError(source, time_column, f"{df[time_column].null_count()} null values")
+        hint = (" (rows without a step limit, such as expert demonstrations: label with --step-limit N, the "
+                "self-play episodes' limit; docs/critic.md, 'Time input')") if time_column == "steps_left" else ""
+        raise TableError(source, time_column, f"{df[time_column].null_count()} null values{hint}")
 
     frame = df.with_row_index("_row")
     if not all(c in df.columns for c in WINDOW_COLUMNS):

@@ -151,7 +151,9 @@ class EvolveConfig(ConfigBase):
                    "policy": {"objective": f"policy_step ({self.policy_step})" if awr else "the policy stage (bppo)",
                               "seed": "seed"},
                    "rollout": {"env": "env", "iteration": "the iteration", "seed": "seed + 1000 x iteration"},
-                   "critic": {"seed": "seed"}, "label": {}}[name]
+                   "critic": {"seed": "seed"},
+                   "label": {"step_limit": "the rollout's step limit (the critic's time_input is steps_left)"}
+                   if getattr(cfg, "step_limit", None) is not None else {}}[name]
         out = {}
         for f in dataclasses.fields(cfg):
             key = None
@@ -209,14 +211,17 @@ class EvolveConfig(ConfigBase):
         if name == "critic":
             from qevolve_cli.critic.config import CriticConfig
 
-            if d.get("time_input") == "steps_left":  # refused here, not an hour later at the critic stage
-                raise ConfigError("evolve config: critic", "time_input", "steps_left needs a steps_left column, "
-                                  "which evolve's rollouts do not write; use step (docs/critic.md, \"Time input\")")
             d.setdefault("seed", self.seed)
             return CriticConfig.from_dict(d, source="evolve config: critic")
         if name == "label":
             from qevolve_cli.labeling import LabelConfig
 
+            if d.get("step_limit") is None and self.section("critic", iteration).get("time_input") == "steps_left":
+                # the rollouts write steps_left; the expert demonstrations get the same limit's (the sections, not
+                # the stages: a bad critic or rollout field is their stage's error, not the label stage's)
+                from qevolve_cli.env_names import MAX_STEPS
+
+                d["step_limit"] = self.section("rollout", iteration).get("max_steps") or MAX_STEPS[self.env]
             return LabelConfig.from_dict(d, source="evolve config: label")
         raise KeyError(name)
 

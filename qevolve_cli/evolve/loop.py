@@ -240,6 +240,7 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
                       config_hash=r_cfg.hash(), iteration=k, echo=echo)
 
         l_cfg = cfg.stage("label", k)
+        c_cfg = cfg.stage("critic", k)
 
         def label(l_cfg=l_cfg, it=it):
             from qevolve_cli.labeling import label_tables
@@ -249,8 +250,6 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
 
         run.run_stage(f"{it}/label", label, inputs=[plan.expert(), f"{it}/rollout.parquet"],
                       outputs=[f"{it}/labeled.parquet"], config_hash=l_cfg.hash(), iteration=k, echo=echo)
-
-        c_cfg = cfg.stage("critic", k)
 
         backbone = base if cfg.critic_backbone == "base" else prev
 

@@ -129,7 +129,8 @@ def _row(ep: _Episode, cfg: RolloutConfig, source: str, step: int, **kw: Any) ->
     return {
         "traj_id": ep.traj_id, "env": cfg.env, "task_id": t.task_id, "split": cfg.split, "source": source,
         "iteration": cfg.iteration, "step": step, "instruction": ep.instruction,
-        "task_type": t.task_type, "sample": ep.key[1], **kw,
+        "task_type": t.task_type, "sample": ep.key[1],
+        "steps_left": ep.max_steps - step if ep.max_steps > 0 else None, **kw,
     }
 
 
@@ -141,7 +142,7 @@ def _failed_placeholder(ep: _Episode, cfg: RolloutConfig, source: str, error: st
 
 def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     cols = {**schema.BASE_COLUMNS, "error": pl.String(), "truncated": pl.Boolean(), "task_type": pl.String(),
-            "sample": pl.Int32()}
+            "sample": pl.Int32(), "steps_left": pl.Int32()}
     return pl.DataFrame(rows, schema=cols)
 
 

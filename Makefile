@@ -107,6 +107,12 @@ install: setup
 # vLLM 8:04 beside it, 10 passed); 1642 s of test time summed over the files. The commit before the restart
 # (725086a), same machine and day: 15:25 (main suite 15:13, 528 passed; 1785 s summed). Most of the gain over
 # session 18's 21:29 is the machine and the libraries (this CPU has AMX; torch 2.15), not the restart.
+# Since b55f291 the server restarts only at the second command under a changed environment (the first runs in a
+# fresh interpreter, and a change a test reverts after one command costs no restart): clean clone of 9be166a,
+# 2026-11-28, ../shared/data present, two one-thread experiments beside it at the lowest priority: 10:32 for all
+# of `make test` (main suite 10:23, 535 passed, 2 skipped: GPU only; vLLM 5:56 beside it, 10 passed); 1216 s of
+# test time summed over the files (test_hub 129 -> 51 s, test_critic_chain 210 -> 133 s, test_deepspeed_cpu
+# 355 -> 270 s against the 8f39e8a run above).
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \

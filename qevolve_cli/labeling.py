@@ -178,11 +178,20 @@ def label_frame(
 
 
 def fill_steps_left(df: pl.DataFrame, limit: int) -> pl.DataFrame:
-    """``steps_left`` = ``limit`` - ``step`` where the table has none (the column added when missing); the
-    values a rollout wrote are kept."""
-    fill = (pl.lit(limit, pl.Int32) - pl.col("step")).cast(pl.Int32)
-    col = pl.coalesce(pl.col("steps_left"), fill) if "steps_left" in df.columns else fill
-    return df.with_columns(col.alias("steps_left"))
+    """``steps_left`` = L - ``step`` where the table has none (the column added when missing), L the episode's
+    limit under the run limit ``limit`` (:func:`qevolve_cli.envs.registry.episode_limit`: the task's own budget
+    where it is tighter, as a rollout's episode has); the values a rollout wrote are kept."""
+    from qevolve_cli.envs.registry import episode_limit
+
+    has = "steps_left" in df.columns
+    need = df.filter(pl.col("steps_left").is_null()) if has else df
+    key = pl.concat_str([pl.col("env"), pl.col("task_id")], separator="\x00")
+    limits = {f"{e}\x00{t}": episode_limit(e, t, limit)
+              for e, t in need.select("env", "task_id").unique().iter_rows()}
+    lim = (pl.lit(limit, pl.Int32) if all(v == limit for v in limits.values())
+           else key.replace_strict(limits, default=limit, return_dtype=pl.Int32))
+    fill = (lim - pl.col("step")).cast(pl.Int32)
+    return df.with_columns((pl.coalesce(pl.col("steps_left"), fill) if has else fill).alias("steps_left"))
 
 
 def with_advantage(df: pl.DataFrame, offs, cfg: LabelConfig, source: Any = None) -> pl.DataFrame:

@@ -524,3 +524,37 @@ def test_kv_reuse_keeps_greedy_actions(react_model_dir: Path, tmp_path: Path, en
     assert on["kv_hits"] + on["kv_partial"] == steps - len(tasks) and on["kv_fallbacks"] == 0
     assert on["prefill_tokens"] < off["prefill_tokens"] / 2
     assert not be.kv.entries and be.kv.bytes == 0  # every episode ended: its cache was dropped
+
+
+def test_steps_left_counts_down_to_the_tasks_own_budget(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """lamps-habit ends a task at its own step budget when that is tighter than the run's limit: a rollout's
+    steps_left counts down from min(limit, budget) to 1 (the untrained model never succeeds, so every episode
+    runs to its limit), and `label --step-limit` gives the expert demonstrations of the same tasks the same
+    start (registry.episode_limit), not the run's limit."""
+    from qevolve_cli import schema
+    from qevolve_cli.envs.builtin import budget_of, parse_task_id
+    from qevolve_cli.envs.expert import collect_expert
+    from qevolve_cli.envs.registry import episode_limit
+
+    env, limit = "lamps-habit", 15
+    out = tmp_path / "r.parquet"
+    run_qevolve("rollout", "--env", env, "--policy", tiny_model_dir, "--split", "train", "--max-tasks", "6",
+                "--n-per-task", "1", "--max-steps", str(limit), "--out", out, *FAST, check=True)
+    df = schema.read_table(out)
+    budgets = {t: budget_of(*parse_task_id(t, env), env) for t in df["task_id"].unique().to_list()}
+    assert min(budgets.values()) < limit < max(budgets.values())  # some tasks tighter than the run, some looser
+    for (tid,), g in df.group_by("task_id"):
+        want = min(limit, budgets[tid])
+        assert episode_limit(env, tid, limit) == want
+        assert g.height == want and g["steps_left"].to_list() == list(range(want, 0, -1)), tid
+    expert = tmp_path / "e.parquet"
+    schema.write_table(collect_expert(env, "train", limit=6), expert)
+    lab = tmp_path / "l.parquet"
+    run_qevolve("label", expert, out, "--step-limit", str(limit), "--out", lab, "-q", check=True)
+    t = schema.read_table(lab)
+    e = t.filter(pl.col("source") == "expert")
+    assert any(episode_limit(env, tid, limit) < limit for tid in e["task_id"].unique())  # a budget the fill must see
+    want = [episode_limit(env, tid, limit) - s for tid, s in zip(e["task_id"], e["step"], strict=True)]
+    assert e["steps_left"].to_list() == want
+    s = t.filter(pl.col("source") == "self")
+    assert s["steps_left"].to_list() == df["steps_left"].to_list()  # the rollout's own values, kept

@@ -41,4 +41,22 @@ def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
     return _list_tasks(check_env(env), split, limit)
 
 
-__all__ = ["MAX_STEPS", "ENV_NAMES", "SPLITS_BY_ENV", "make_env", "list_tasks", "task_from_id", "check_env"]
+def episode_limit(env: str, task_id: str, max_steps: int) -> int:
+    """The step limit an episode of ``task_id`` plays under when the run's limit is ``max_steps``: the task's own
+    budget where the environment has one and it is tighter (lamps-hard, lamps-habit), else ``max_steps``. What a
+    rollout's reset reports; ``qevolve label --step-limit`` gives the expert rows the same."""
+    from qevolve_cli.envs import builtin
+
+    if env in builtin.VARIANTS:
+        try:
+            start, targets = builtin.parse_task_id(task_id, env)
+        except ValueError as e:
+            raise QevolveError(f"{env} task {task_id!r}: {e}") from None
+        budget = builtin.budget_of(start, targets, env)
+        if budget is not None:
+            return min(max_steps, budget)
+    return max_steps
+
+
+__all__ = ["MAX_STEPS", "ENV_NAMES", "SPLITS_BY_ENV", "make_env", "list_tasks", "task_from_id", "check_env",
+           "episode_limit"]

@@ -119,6 +119,7 @@ class _Episode:
     traj_id: str
     instruction: str = ""
     max_steps: int = 0
+    limit: int = 0  # the step limit the environment ends this episode at (a task's own budget, when tighter)
     observations: list[str] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -130,7 +131,7 @@ def _row(ep: _Episode, cfg: RolloutConfig, source: str, step: int, **kw: Any) ->
         "traj_id": ep.traj_id, "env": cfg.env, "task_id": t.task_id, "split": cfg.split, "source": source,
         "iteration": cfg.iteration, "step": step, "instruction": ep.instruction,
         "task_type": t.task_type, "sample": ep.key[1],
-        "steps_left": ep.max_steps - step if ep.max_steps > 0 else None, **kw,
+        "steps_left": ep.limit - step if ep.limit > 0 else None, **kw,
     }
 
 
@@ -325,6 +326,7 @@ def _rounds(cfg, backend, pool, pending, live, finish, head, temperature, source
             ep.instruction = r.instruction
             ep.observations = [r.observation]
             ep.max_steps = cfg.max_steps if cfg.max_steps > 0 else int(r.max_steps or 0)
+            ep.limit = min([n for n in (cfg.max_steps, int(r.max_steps or 0)) if n > 0], default=0)
             lane.eps[ep.key] = ep
         for key, (out, tr_flag) in lane.outs.items():
             ep = lane.eps[key]

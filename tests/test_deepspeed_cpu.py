@@ -252,6 +252,37 @@ def test_policy_bppo_killed_mid_epoch_in_one_process_resumes_like_the_uninterrup
     assert not (tmp_path / "plain.partial").exists()
 
 
+@pytest.mark.timeout(400)
+def test_policy_zero3_killed_after_its_last_step_resumes_from_the_weights_alone(bppo_runs, policy_table,
+                                                                                tiny_model_dir, tmp_path):
+    """BPPO with LoRA under ZeRO-3 on two ranks, both SIGKILLed right after the checkpoint of the last step (4):
+    that checkpoint holds the trainable weights gathered on rank 0, no ZeRO shard of the optimiser, and started
+    again the run trains nothing, loads them into the partitioned module and writes the uninterrupted
+    one-process run's adapter and summary figures."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "z3"
+    cmd = ["policy", "--data", policy_table, "--model", tiny_model_dir, *BPPO, "--out", out,
+           "--set", f"deepspeed={ZERO3}"]
+    torchrun(*cmd, kill_after=4)
+    killed = killed_run(tmp_path / "z3.partial", out, "checkpoint.json")
+    meta = killed["pointer"]
+    assert (meta["step"], meta["weights_only"], meta["zero_stage"], meta["world_size"]) == (4, True, 3, 2)
+    assert not killed["out_exists"] and "step00000004/trainable.safetensors" in killed["files"]
+    assert not [f for f in killed["files"] if "optim_states" in f or "/engine/" in f], killed["files"]
+    saved = load_file(str(tmp_path / "z3.partial" / "step00000004" / "trainable.safetensors"))
+    assert saved and all("lora_" in k for k in saved)  # the adapter alone, whole (gathered), not a rank's shard
+    summary = last_json(torchrun(*cmd).stdout)
+    ref = json.loads((bppo_runs / "plain" / "train_summary.json").read_text())
+    assert (summary["resumed_from_step"], summary["optimizer_steps"], summary["train_tokens"]) == (4, 4, 0)
+    for key in ("final_loss", "nll_before", "nll_after", "logp_delta_pos_adv", "logp_delta_neg_adv"):
+        assert summary[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-5), key
+    plain = load_file(str(bppo_runs / "plain" / "adapter_model.safetensors"))
+    assert_same_tensors(load_file(str(out / "adapter_model.safetensors")), plain, "z3 vs plain", atol=1e-5)
+    assert [r["step"] for r in curve(out)] == [1, 2, 3, 4]
+    assert not (tmp_path / "z3.partial").exists()
+
+
 @pytest.mark.timeout(300)
 def test_policy_killed_after_its_last_step_resumes_without_training(bppo_runs, policy_table, tiny_model_dir, tmp_path):
     """SIGKILLed right after the checkpoint of its last step (4, the end of epoch 2), i.e. in the closing pass over

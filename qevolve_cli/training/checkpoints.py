@@ -176,9 +176,9 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
                      final: bool = False) -> None:
     """Checkpoint of the loop at ``pos`` (``epoch``, ``epoch_step``: steps done in it, ``step``: global);
     collective: every rank calls it. ``final``: the checkpoint after the very last optimiser step, which
-    nothing trains from again: the torch backend leaves the optimiser state out (two fp32 copies of the
-    trainable weights under AdamW, the bulk of a full-weight checkpoint), and the pointer says so
-    (``weights_only``); DeepSpeed's ``save_checkpoint`` always writes its ZeRO optimiser shards.
+    nothing trains from again: the backend leaves the optimiser state out (two fp32 copies of the
+    trainable weights under AdamW, the bulk of a full-weight checkpoint; DeepSpeed's ZeRO shards of
+    them), and the pointer says so (``weights_only``).
 
     ``ckpt_dir/stepNNNNNNNN/`` gets the backend's state (:meth:`TorchBackend.save_state`,
     :meth:`DeepSpeedBackend.save_state`), one RNG file per rank, and from rank 0 ``state.pt``
@@ -191,7 +191,7 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     tag = checkpoint_tag(pos["step"])
     tag_dir = start_checkpoint(Path(ckpt_dir), tag, backend.is_main)
     backend.barrier()
-    weights_only = final and getattr(backend, "checkpoint_kind", "torch") == "torch"
+    weights_only = final
     backend.save_state(tag_dir, model, None if weights_only else optimizer)
     torch.save(rng_state(), tag_dir / f"rng_rank{backend.rank}.pt")
     if backend.is_main:

@@ -320,12 +320,48 @@ class DeepSpeedBackend(TorchBackend):
     def save_state(self, tag_dir: Path, model, optimizer) -> None:
         """``engine.save_checkpoint`` (a collective): the module's trainable weights (frozen ones, e.g. the
         base model under a LoRA adapter, are left out), every rank's ZeRO partition of the fp32 master
-        weights and Adam moments (and its parameter shard under ZeRO-3) in ``tag_dir/engine/``."""
-        self.engine.save_checkpoint(str(tag_dir), tag="engine", client_state={}, save_latest=False,
-                                    exclude_frozen_parameters=self._frozen())
+        weights and Adam moments (and its parameter shard under ZeRO-3) in ``tag_dir/engine/``.
+        ``optimizer`` None (a final checkpoint, which nothing trains from): only the trainable weights, gathered
+        on rank 0 under ZeRO-3, in ``tag_dir/trainable.safetensors`` (the torch backend's file)."""
+        if optimizer is not None:
+            self.engine.save_checkpoint(str(tag_dir), tag="engine", client_state={}, save_latest=False,
+                                        exclude_frozen_parameters=self._frozen())
+            return
+        from safetensors.torch import save_file
+
+        trainable = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+        with self._gathered([p for _, p in trainable], modifier_rank=None):
+            if self.is_main:
+                save_file({n: p.detach().cpu().clone().contiguous() for n, p in trainable},
+                          str(tag_dir / "trainable.safetensors"))
 
     def load_state(self, tag_dir: Path, model, optimizer) -> None:
-        path, _ = self.engine.load_checkpoint(str(tag_dir), tag="engine", load_module_strict=not self._frozen(),
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
-        if path is None:
-            raise QevolveError(f"{tag_dir}: DeepSpeed found no checkpoint to load; delete it to start over")
+        if optimizer is not None:
+            path, _ = self.engine.load_checkpoint(str(tag_dir), tag="engine", load_module_strict=not self._frozen(),
+                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
+            if path is None:
+                raise QevolveError(f"{tag_dir}: DeepSpeed found no checkpoint to load; delete it to start over")
+            return
+        # a final checkpoint: the weights alone (the ZeRO optimiser's master copies stay behind; nothing steps again)
+        import torch
+        from safetensors.torch import load_file
+
+        state = load_file(str(tag_dir / "trainable.safetensors"))
+        params = dict(self.engine.module.named_parameters())
+        unknown = set(state) - set(params)
+        if unknown:
+            raise QevolveError(f"{tag_dir}: checkpoint does not match the model (e.g. {sorted(unknown)[0]}); "
+                               "delete it to start over")
+        with self._gathered([params[n] for n in state], modifier_rank=0), torch.no_grad():
+            if self.stage < 3 or self.is_main:  # ZeRO-3: rank 0 writes, the context partitions it again
+                for n, t in state.items():
+                    params[n].data.copy_(t.to(params[n].dtype))
+
+    def _gathered(self, params: list, modifier_rank: int | None):
+        """ZeRO-3: the full tensors of ``params`` inside the context (``deepspeed.zero.GatheredParameters``, a
+        collective); other stages hold them whole already."""
+        import contextlib
+
+        if self.stage < 3:
+            return contextlib.nullcontext()
+        return self.ds.zero.GatheredParameters(params, modifier_rank=modifier_rank)

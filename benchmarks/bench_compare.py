@@ -7,7 +7,9 @@ chosen among the same number of candidates on validation train tasks. Prints one
 environment the per-seed scores, per arm and column the mean and standard error over the seeds, and the
 paired bootstrap 95 % intervals of every arm minus RFT and minus SFT (pairs = the same task of the same
 seed; seeds and tasks resampled: compare.paired_bootstrap). --markdown also prints the tables for
-docs/compare.md on stderr. Resumable: a seed whose comparison is finished with the same configuration is
+docs/compare.md on stderr: the scores, the paired differences, and each arm's budget per seed (epochs x lr x
+data of every training stage, the validation scores of the candidates each selection chose from). ``times``:
+wall seconds of the invocation that finished the seed (after a resume, only the part after it). Resumable: a seed whose comparison is finished with the same configuration is
 read, not re-run; an unfinished one resumes at its last finished stage.
 
     nice -n 10 python benchmarks/bench_compare.py --envs lamps lamps-hard --seeds 0 1 2 3 4 --runs runs/bench --markdown
@@ -161,6 +163,47 @@ def markdown(env: str, seeds: list[int], summary: dict, columns: list[str]) -> s
     return "\n".join(lines) + "\n"
 
 
+def _stage(b: dict) -> str:
+    """One training stage of an arm's budget: ``RFT 48 ep x lr 2e-03 x 189 traj`` (DPO: with its beta)."""
+    beta = f" β {b['dpo_beta']:g}" if "dpo_beta" in b else ""
+    return f"{b['stage']} {b['epochs']:g} ep x lr {b['lr']:.0e} x {b['data']} {b['unit']}{beta}"
+
+
+def _candidates(sel: dict) -> str:
+    """A selection's validation scores x100, candidate by candidate, the chosen one bold: ``[52.5/42.5/**72.5**]``."""
+    vals = [f"{100 * c['val_avg_reward']:.1f}" for c in sel["candidates"]]
+    vals[sel["chosen_index"]] = f"**{vals[sel['chosen_index']]}**"
+    return "[" + "/".join(vals) + "]"
+
+
+def budget_cell(row: dict) -> str:
+    """What one arm of one seed trained on, stage by stage, each selected stage followed by its candidates'
+    validation scores (the arm's own selections are its last stages: Q-Evolve's BC is SFT's)."""
+    stages = [_stage(b) for b in row.get("budget") or []]
+    sel = row.get("selection")
+    sels = [] if sel is None else sel if isinstance(sel, list) else [sel]
+    for i, s in enumerate(sels):
+        k = len(stages) - len(sels) + i
+        if 0 <= k < len(stages):
+            stages[k] += " " + _candidates(s)
+    if sel is None and row.get("selection_note"):
+        stages.append(f"({row['selection_note']})")
+    return "; ".join(stages) or "–"
+
+
+def budget_markdown(env: str, seeds: list[int], tables: list[dict]) -> str:
+    """Per arm and seed: the epochs x lr x data of every training stage and the validation scores (x100) of the
+    candidates each selection chose from (issue: say the budget in the table)."""
+    arms = [(r["arm"], r["method"]) for r in tables[0]["rows"]]
+    by = [{r["arm"]: r for r in t["rows"]} for t in tables]
+    lines = [f"**{env}**: what each arm trained on (epochs x lr x data) and the validation success x100 of the "
+             "candidates it was chosen from (chosen in bold)", "",
+             "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for arm, method in arms:
+        lines.append(f"| {method} | " + " | ".join(budget_cell(b[arm]) if arm in b else "–" for b in by) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--envs", "--env", nargs="+", default=["lamps", "lamps-hard"])
@@ -218,6 +261,8 @@ def main() -> None:
                 times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
             if table is not None and kept and not from_kept:
                 keep_table(kept, cfg, ccfg, table, times.get(seed))
+            if from_kept and json.loads(kept.read_text()).get("times"):
+                times[seed] = json.loads(kept.read_text())["times"]
             if table is None:
                 print(f"{env} seed {seed}: not finished (skipped)", file=sys.stderr, flush=True)
                 continue
@@ -232,6 +277,7 @@ def main() -> None:
                                "summary": summary}
         if a.markdown:
             print(markdown(env, done_seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
+            print(budget_markdown(env, done_seeds, tables), file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))
 
 

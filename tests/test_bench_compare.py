@@ -29,3 +29,27 @@ def test_kept_table_is_read_back_for_the_same_configuration_only(bc, tmp_path):
     assert bc.kept_table(kept, bc.evolve_config("lamps-habit", "cpu", 1, 2, True, 0), ccfg) is None  # another seed
     assert bc.kept_table(kept, bc.evolve_config("lamps-habit", "cpu", 0, 1, True, 0), ccfg) is None  # one iteration
     assert bc.kept_table(kept, cfg, bc.compare_config("lamps-habit", 4, True, run)) is None  # Best-of-4
+
+
+def test_budget_cell_names_every_stage_and_its_candidates(bc):
+    """The budget table of docs/compare.md: each training stage as epochs x lr x data; each selection's candidates'
+    validation scores after the stage it chose, the chosen one bold; Q-Evolve's selections are its iteration
+    stages (its BC is SFT's), an arm without one says why."""
+    def sel(vals, chosen):
+        return {"candidates": [{"val_avg_reward": v} for v in vals], "chosen_index": chosen}
+
+    bc_stage = {"stage": "BC", "epochs": 48, "lr": 2e-3, "data": 64, "unit": "traj"}
+    sft = {"budget": [bc_stage], "selection": sel([0.525, 0.425, 0.725], 2)}
+    assert bc.budget_cell(sft) == "BC 48 ep x lr 2e-03 x 64 traj [52.5/42.5/**72.5**]"
+    qe = {"budget": [bc_stage, {"stage": "it 1", "epochs": 24, "lr": 2e-3, "data": 214, "unit": "traj"},
+                     {"stage": "it 2", "epochs": 12.0, "lr": 2e-3, "data": 214, "unit": "traj"}],
+          "selection": [sel([0.775, 0.625, 0.75], 0), sel([0.725, 0.75, 0.675], 1)]}
+    assert bc.budget_cell(qe) == ("BC 48 ep x lr 2e-03 x 64 traj; it 1 24 ep x lr 2e-03 x 214 traj [**77.5**/62.5/75.0]; "
+                                  "it 2 12 ep x lr 2e-03 x 214 traj [72.5/**75.0**/67.5]")
+    eto = {"budget": [{"stage": "ETO", "epochs": 3, "lr": 1e-4, "data": 2, "unit": "pairs", "dpo_beta": 0.1}],
+           "selection": sel([0.825, 0.525, 0.825], 0)}
+    assert bc.budget_cell(eto) == "ETO 3 ep x lr 1e-04 x 2 pairs β 0.1 [**82.5**/52.5/82.5]"
+    bon = {"budget": [bc_stage], "selection": None, "selection_note": "BC as chosen for SFT"}
+    assert bc.budget_cell(bon) == "BC 48 ep x lr 2e-03 x 64 traj; (BC as chosen for SFT)"
+    md = bc.budget_markdown("lamps", [3], [{"rows": [{"arm": "sft", "method": "SFT", **sft}]}])
+    assert md.splitlines()[-1] == "| SFT | BC 48 ep x lr 2e-03 x 64 traj [52.5/42.5/**72.5**] |"

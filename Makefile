@@ -112,7 +112,8 @@ install: setup
 # 2026-11-28, ../shared/data present, two one-thread experiments beside it at the lowest priority: 10:32 for all
 # of `make test` (main suite 10:23, 535 passed, 2 skipped: GPU only; vLLM 5:56 beside it, 10 passed); 1216 s of
 # test time summed over the files (test_hub 129 -> 51 s, test_critic_chain 210 -> 133 s, test_deepspeed_cpu
-# 355 -> 270 s against the 8f39e8a run above).
+# 355 -> 270 s against the 8f39e8a run above). A clean clone of cc10d70 (3 more tests) an hour later, same
+# conditions: 14:30 (538 passed, 2 skipped; vLLM 7:34 beside), every file 1.4-2x slower than at 9be166a.
 test: setup test-rust
 	@rm -f $(CACHE)/test-vllm.rc; \
 	( $(MAKE) --no-print-directory test-vllm > $(CACHE)/test-vllm.log 2>&1; echo $$? > $(CACHE)/test-vllm.rc ) & \

@@ -9,8 +9,9 @@ paired bootstrap 95 % intervals of every arm minus RFT and minus SFT (pairs = th
 seed; seeds and tasks resampled: compare.paired_bootstrap). --markdown also prints the tables for
 docs/compare.md on stderr: the scores, the paired differences, and each arm's budget per seed (epochs x lr x
 data of every training stage, the validation scores of the candidates each selection chose from). ``times``:
-wall seconds of the invocation that finished the seed (after a resume, only the part after it). Resumable: a seed whose comparison is finished with the same configuration is
-read, not re-run; an unfinished one resumes at its last finished stage.
+wall seconds of the invocation that finished the seed (after a resume, only the part after it). Resumable:
+a seed whose comparison is finished with the same configuration is read, not re-run; an unfinished one
+resumes at its last finished stage.
 
     nice -n 10 python benchmarks/bench_compare.py --envs lamps lamps-hard --seeds 0 1 2 3 4 --runs runs/bench --markdown
     # seeds side by side, one process and core each; finished seeds also kept as small tables that outlive runs/:
@@ -261,8 +262,8 @@ def main() -> None:
                 times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
             if table is not None and kept and not from_kept:
                 keep_table(kept, cfg, ccfg, table, times.get(seed))
-            if from_kept and json.loads(kept.read_text()).get("times"):
-                times[seed] = json.loads(kept.read_text())["times"]
+            if from_kept and (kept_times := json.loads(kept.read_text()).get("times")):
+                times[seed] = kept_times
             if table is None:
                 print(f"{env} seed {seed}: not finished (skipped)", file=sys.stderr, flush=True)
                 continue

@@ -116,13 +116,14 @@ class ForkServer:
         if self.proc is not None and self.proc.poll() is not None:
             self.proc = None
         current = qevolve_env()
-        if self.proc is not None and self._fixed(current) != self._fixed(self.env):
+        fixed = self._fixed(current)
+        if self.proc is not None and fixed != self._fixed(self.env):
             # os.environ changed under the server: libraries read it at import, so the server is stale for it.
             # Once (a test's monkeypatched HF_HOME, reverted after it) the command runs in a fresh interpreter
             # and the server stays for the old environment; a second command under the same change (in-process
             # DeepSpeed sets MASTER_ADDR, ALFWorld sets ALFWORLD_DATA, for good) gets a server of its own
-            if self._fixed(current) != self.changed_to:
-                self.changed_to = self._fixed(current)
+            if fixed != self.changed_to:
+                self.changed_to = fixed
                 return False
             self.close()
             self.restarts += 1

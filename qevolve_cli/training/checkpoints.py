@@ -191,8 +191,7 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     tag = checkpoint_tag(pos["step"])
     tag_dir = start_checkpoint(Path(ckpt_dir), tag, backend.is_main)
     backend.barrier()
-    weights_only = final
-    backend.save_state(tag_dir, model, None if weights_only else optimizer)
+    backend.save_state(tag_dir, model, None if final else optimizer)
     torch.save(rng_state(), tag_dir / f"rng_rank{backend.rank}.pt")
     if backend.is_main:
         torch.save({"scheduler": scheduler.state_dict(), **pos}, tag_dir / "state.pt")
@@ -203,7 +202,7 @@ def write_checkpoint(backend, ckpt_dir: Path, model, optimizer, scheduler, pos: 
     backend.barrier()
     if backend.is_main:
         commit_checkpoint(Path(ckpt_dir), POINTER, {"tag": tag, **pos, **checkpoint_meta(backend),
-                                                        "fingerprint": fingerprint, "weights_only": weights_only})
+                                                        "fingerprint": fingerprint, "weights_only": final})
     backend.barrier()
     kill_after_checkpoint(pos["step"], ckpt_dir)
 

@@ -11,7 +11,12 @@ from typing import Any
 
 from qevolve_cli.device import resolve_device
 from qevolve_cli.errors import QevolveError
-from qevolve_cli.training.backends.torch import TorchBackend, _dist_sum
+from qevolve_cli.training.backends.torch import (
+    TorchBackend,
+    _dist_sum,
+    _read_trainable_state,
+    _trainable_state,
+)
 
 DS_STAGES = (0, 1, 2, 3)
 
@@ -329,11 +334,10 @@ class DeepSpeedBackend(TorchBackend):
             return
         from safetensors.torch import save_file
 
-        trainable = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
-        with self._gathered([p for _, p in trainable], modifier_rank=None):
-            if self.is_main:
-                save_file({n: p.detach().cpu().clone().contiguous() for n, p in trainable},
-                          str(tag_dir / "trainable.safetensors"))
+        module = self.engine.module
+        with self._gathered([p for p in module.parameters() if p.requires_grad], modifier_rank=None):
+            if self.is_main:  # written inside the context, while the gathered tensors are whole
+                save_file(_trainable_state(module), str(tag_dir / "trainable.safetensors"))
 
     def load_state(self, tag_dir: Path, model, optimizer) -> None:
         if optimizer is not None:
@@ -344,14 +348,9 @@ class DeepSpeedBackend(TorchBackend):
             return
         # a final checkpoint: the weights alone (the ZeRO optimiser's master copies stay behind; nothing steps again)
         import torch
-        from safetensors.torch import load_file
 
-        state = load_file(str(tag_dir / "trainable.safetensors"))
+        state = _read_trainable_state(tag_dir, self.engine.module)
         params = dict(self.engine.module.named_parameters())
-        unknown = set(state) - set(params)
-        if unknown:
-            raise QevolveError(f"{tag_dir}: checkpoint does not match the model (e.g. {sorted(unknown)[0]}); "
-                               "delete it to start over")
         with self._gathered([params[n] for n in state], modifier_rank=0), torch.no_grad():
             if self.stage < 3 or self.is_main:  # ZeRO-3: rank 0 writes, the context partitions it again
                 for n, t in state.items():

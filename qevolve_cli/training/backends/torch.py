@@ -58,15 +58,9 @@ class TorchBackend:
 
     def load_state(self, tag_dir: Path, model, optimizer) -> None:
         import torch
-        from safetensors.torch import load_file
 
-        params = load_file(str(tag_dir / "trainable.safetensors"))
         m = self.unwrap(model)
-        unknown = set(params) - set(m.state_dict())
-        if unknown:
-            raise QevolveError(f"{tag_dir}: checkpoint does not match the model (e.g. {sorted(unknown)[0]}); "
-                               "delete it to start over")
-        m.load_state_dict(params, strict=False)
+        m.load_state_dict(_read_trainable_state(tag_dir, m), strict=False)
         if optimizer is not None:  # None: a final checkpoint, written without it
             optimizer.load_state_dict(torch.load(tag_dir / "optimizer.pt", map_location="cpu", weights_only=True))
 
@@ -145,6 +139,19 @@ def _dist_sum(values: list[float], device: str) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return [float(x) for x in t.cpu()]
+
+
+def _read_trainable_state(tag_dir: Path, model) -> dict:
+    """``tag_dir/trainable.safetensors`` (what :meth:`TorchBackend.save_state` writes), checked against ``model``'s
+    names: a checkpoint of another model is a one-line error."""
+    from safetensors.torch import load_file
+
+    params = load_file(str(tag_dir / "trainable.safetensors"))
+    unknown = set(params) - set(model.state_dict())
+    if unknown:
+        raise QevolveError(f"{tag_dir}: checkpoint does not match the model (e.g. {sorted(unknown)[0]}); "
+                           "delete it to start over")
+    return params
 
 
 def _trainable_state(model) -> dict:

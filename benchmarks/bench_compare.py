@@ -8,8 +8,11 @@ environment the per-seed scores, per arm and column the mean and standard error 
 paired bootstrap 95 % intervals of every arm minus RFT and minus SFT (pairs = the same task of the same
 seed; seeds and tasks resampled: compare.paired_bootstrap). --markdown also prints the tables for
 docs/compare.md on stderr: the scores, the paired differences, and each arm's budget per seed (epochs x lr x
-data of every training stage, the validation scores of the candidates each selection chose from). ``times``:
-wall seconds of the invocation that finished the seed (after a resume, only the part after it). Resumable:
+data of every training stage, the validation scores of the candidates each selection chose from) and each seed's
+cost. ``times``: ``evolve_s`` / ``compare_s``, wall seconds of the invocation that finished the seed (after a
+resume, only the part after it), and ``evolve_stage_s`` / ``compare_stage_s``, the seconds of the seed's stages
+summed from its run manifests, which survive resumes (a stage resumed after a kill counts its last attempt:
+``resumed_stages`` says how many were). Resumable:
 a seed whose comparison is finished with the same configuration is read, not re-run; an unfinished one
 resumes at its last finished stage.
 
@@ -88,11 +91,52 @@ def kept_table(path: Path, cfg, ccfg) -> dict | None:
 
 def keep_table(path: Path, cfg, ccfg, table: dict, times: dict | None) -> None:
     """Write a finished seed's table for kept_table, atomically."""
+    _write_kept(path, {"evolve_hash": cfg.hash(), "compare_hash": ccfg.hash(), "arms": list(ccfg.arms),
+                       "times": times, "table": table})
+
+
+def add_kept_times(path: Path, times: dict) -> dict:
+    """Add ``times`` entries the kept table lacks (a table kept before they were recorded, its run directory still
+    there); everything else in the file stays as it was. Returns the merged times."""
+    kept = json.loads(path.read_text())
+    merged = {**times, **(kept.get("times") or {})}
+    if merged != kept.get("times"):
+        _write_kept(path, {**kept, "times": merged})
+    return merged
+
+
+def _write_kept(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"evolve_hash": cfg.hash(), "compare_hash": ccfg.hash(), "arms": list(ccfg.arms),
-                               "times": times, "table": table}, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(obj, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def stage_seconds(run: Path) -> dict | None:
+    """The seed's cost from its run manifests: the seconds of the finished stages of ``evolve`` (run/manifest.json)
+    and of ``compare`` (run/compare/manifest.json), summed. Unlike the invocation's wall time this counts every
+    session of a resumed seed; a stage itself resumed after a kill counts its last attempt only
+    (``resumed_stages``: how many stages took more than one). None when either manifest is missing."""
+    out: dict = {"resumed_stages": 0}
+    for key, man in (("evolve_stage_s", run / "manifest.json"), ("compare_stage_s", run / "compare" / "manifest.json")):
+        if not man.is_file():
+            return None
+        stages = json.loads(man.read_text()).get("stages", {}).values()
+        out[key] = round(sum(float(s.get("seconds") or 0.0) for s in stages if s.get("status") == "done"), 1)
+        out["resumed_stages"] += sum(1 for s in stages if int(s.get("attempts", 1)) > 1)
+    return out
+
+
+def cost_markdown(env: str, seeds: list[int], times: dict) -> str:
+    """One line: per seed, the minutes of evolve and compare summed over their stages (where recorded)."""
+    cells = []
+    for s in seeds:
+        t = times.get(s) or {}
+        if "evolve_stage_s" in t:
+            cells.append(f"seed {s}: evolve {t['evolve_stage_s'] / 60:.0f} + compare {t['compare_stage_s'] / 60:.0f} min")
+    if not cells:
+        return ""
+    return f"**{env}**, cost summed over the stages of each seed: " + "; ".join(cells) + "\n"
 
 
 def summarize(tables: list[dict], n_boot: int) -> dict:
@@ -260,10 +304,15 @@ def main() -> None:
                 ccfg = compare_config(env, a.best_of, select, run)  # the base model exists now
                 table = run_compare(run, ccfg, resume=True, echo=echo, quiet=not a.verbose)
                 times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
-            if table is not None and kept and not from_kept:
-                keep_table(kept, cfg, ccfg, table, times.get(seed))
-            if from_kept and (kept_times := json.loads(kept.read_text()).get("times")):
-                times[seed] = kept_times
+            # the cost, from the run directory when it holds this very comparison
+            same_run = table is not None and (not from_kept or finished_table(run, cfg, ccfg) is not None)
+            st = stage_seconds(run) if same_run else None
+            if from_kept:  # the kept times; stage sums added from the run directory when it is still there
+                times[seed] = add_kept_times(kept, st) if st else json.loads(kept.read_text()).get("times") or {}
+            elif table is not None:
+                times[seed] = {**times.get(seed, {}), **(st or {})}
+                if kept:
+                    keep_table(kept, cfg, ccfg, table, times[seed])
             if table is None:
                 print(f"{env} seed {seed}: not finished (skipped)", file=sys.stderr, flush=True)
                 continue
@@ -279,6 +328,8 @@ def main() -> None:
         if a.markdown:
             print(markdown(env, done_seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
             print(budget_markdown(env, done_seeds, tables), file=sys.stderr, flush=True)
+            if cost := cost_markdown(env, done_seeds, times):
+                print(cost, file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))
 
 

@@ -53,3 +53,42 @@ def test_budget_cell_names_every_stage_and_its_candidates(bc):
     assert bc.budget_cell(bon) == "BC 48 ep x lr 2e-03 x 64 traj; (BC as chosen for SFT)"
     md = bc.budget_markdown("lamps", [3], [{"rows": [{"arm": "sft", "method": "SFT", **sft}]}])
     assert md.splitlines()[-1] == "| SFT | BC 48 ep x lr 2e-03 x 64 traj [52.5/42.5/**72.5**] |"
+
+
+def test_stage_seconds_sum_the_finished_stages_of_both_manifests(bc, tmp_path):
+    """A seed's cost survives resumes: it is summed from the run manifests (evolve's and compare's), finished
+    stages only, and a kept table made before it was recorded gets it added, its other fields untouched."""
+    run = tmp_path / "lamps-habit-cpu-s0"
+    (run / "compare").mkdir(parents=True)
+    assert bc.stage_seconds(run) is None  # no manifest yet
+
+    def manifest(path, stages):
+        path.write_text(json.dumps({"version": 1, "stages": stages}))
+
+    manifest(run / "manifest.json", {
+        "bc": {"status": "done", "seconds": 100.0, "attempts": 1},
+        "iter_1/critic": {"status": "done", "seconds": 30.5, "attempts": 2},  # resumed after a kill
+        "iter_1/policy": {"status": "running", "started": 1.0, "attempts": 1},  # killed: no seconds
+        "iter_1/rollout": {"status": "failed", "seconds": 7.0, "attempts": 1},  # its time is not the seed's result
+    })
+    assert bc.stage_seconds(run) is None  # compare's manifest missing
+    manifest(run / "compare" / "manifest.json", {"rft/cand_base": {"status": "done", "seconds": 60.0, "attempts": 3},
+                                                 "eval/rft_test_seen": {"status": "done", "seconds": 9.25}})
+    assert bc.stage_seconds(run) == {"evolve_stage_s": 130.5, "compare_stage_s": 69.2, "resumed_stages": 2}
+
+    kept = tmp_path / "tables" / "lamps-habit-cpu-s0.json"
+    cfg = bc.evolve_config("lamps-habit", "cpu", 0, 2, True, 0)
+    ccfg = bc.compare_config("lamps-habit", 6, True, run)
+    table = {"columns": ["c"], "rows": []}
+    bc.keep_table(kept, cfg, ccfg, table, {"evolve_s": 5.0, "compare_s": 2.0})
+    before = json.loads(kept.read_text())
+    merged = bc.add_kept_times(kept, bc.stage_seconds(run))
+    assert merged == {"evolve_s": 5.0, "compare_s": 2.0, "evolve_stage_s": 130.5, "compare_stage_s": 69.2,
+                      "resumed_stages": 2}
+    after = json.loads(kept.read_text())
+    assert after["times"] == merged and {k: v for k, v in after.items() if k != "times"} == \
+        {k: v for k, v in before.items() if k != "times"}
+    assert bc.kept_table(kept, cfg, ccfg) == table
+    assert bc.add_kept_times(kept, {"evolve_stage_s": 1.0}) == merged  # what is kept wins
+    md = bc.cost_markdown("lamps-habit", [0, 1], {0: merged, 1: {"evolve_s": 3.0}})
+    assert md.strip() == "**lamps-habit**, cost summed over the stages of each seed: seed 0: evolve 2 + compare 1 min"

@@ -91,6 +91,12 @@ def test_report_matches_eval_tables(smoke_run):
     diag = json.loads((smoke_run / "iter_1/critic/diagnostics.json").read_text())
     assert rep["critic"]["1"]["auc_v"] == diag["auc_v"] and rep["critic"]["1"]["ev_return"] == diag["ev_return"]
     assert "critic diagnostics" in human.stdout
+    # where the time went: every finished stage of the manifest counted once, under its iteration
+    st = manifest(smoke_run)
+    assert rep["stages"]["total_s"] == pytest.approx(sum(s["seconds"] for s in st.values()), abs=0.2)
+    assert [r["name"] for r in rep["stages"]["rows"]] == ["BC", "iter 1"] and not rep["stages"]["unfinished"]
+    assert rep["stages"]["rows"][1]["critic"] == pytest.approx(st["iter_1/critic"]["seconds"], abs=0.05)
+    assert "wall time of the finished stages" in human.stdout
     assert (smoke_run / "report/critic_diagnostics.png").read_bytes()[:4] == b"\x89PNG"
     # evolve printed the critic's numbers right after the critic stage, before the policy stage ran
     err = (smoke_run.parent / "stderr.txt").read_text()

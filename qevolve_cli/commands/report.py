@@ -8,13 +8,17 @@ import typer
 
 from qevolve_cli.commands.common import JsonOpt, emit_json, run_command
 
-HELP = """Table of scores per split and iteration (BC, iter 1, ...) with the environment steps each used,
-and PNG plots (scores, critic losses, advantage histograms by source) written into RUN_DIR/report/.
+HELP = """Table of scores per split and iteration (BC, iter 1, ...) with the environment steps each used, the
+critic's diagnostics, the choices made on validation, the wall time of the finished stages per iteration and
+the stages not finished (running now, or stopped: rerun with --resume), and PNG plots (scores, critic
+losses, advantage histograms by source) written into RUN_DIR/report/. It writes nothing else, so it can
+watch a run in progress (docs/evolve.md, "Report").
 
 \b
 Examples:
   qevolve report runs/demo
   qevolve report runs/sw --json | jq '.rows[-1]'
+  qevolve report runs/sw --no-plots --json | jq '.stages.unfinished'
 """
 
 

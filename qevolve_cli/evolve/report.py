@@ -1,4 +1,5 @@
-"""`qevolve report RUN_DIR`: scores per split and iteration, environment steps, learning-curve plots.
+"""`qevolve report RUN_DIR`: scores per split and iteration, environment steps, learning-curve plots, the
+choices made on validation, and the wall time of the stages (and which are not finished).
 
 Reads only the run directory (manifest, metrics, tables); writes
 ``RUN/report/report.json``, ``scores.md`` and PNG plots (``scores.png``,
@@ -273,6 +274,119 @@ def markdown_table(rows, splits) -> str:
     return "\n".join(lines) + "\n"
 
 
+STAGE_KINDS = ("setup", "rollout", "label", "critic", "advantage", "train", "validation", "eval")
+
+
+def stage_kind(name: str) -> str:
+    """What a manifest stage does, for the time table: one of STAGE_KINDS. ``bc/cand_base/val`` is validation,
+    ``iter_2/eval_test_seen`` and compare's ``eval/rft_test_seen`` are eval, every candidate or arm that trains
+    a policy (``bc``, ``iter_1/cand_epochs2``, ``rft/cand_base``, ``iter_1/policy``) is train."""
+    parts = name.split("/")
+    if parts[-1] == "val":
+        return "validation"
+    if parts[0] == "eval" or parts[-1].startswith("eval_"):
+        return "eval"
+    if name in ("base_model", "expert"):
+        return "setup"
+    if parts[-1] in ("rollout", "label", "critic", "advantage"):
+        return parts[-1]
+    return "train"
+
+
+def _time_row(name: str) -> str:
+    head = name.split("/")[0]
+    if head.startswith("iter_") and head[5:].isdigit() and int(head[5:]) > 0:
+        return f"iter {int(head[5:])}"
+    return "BC"
+
+
+def stage_times(run: Path, now: float | None = None) -> dict[str, Any]:
+    """Wall seconds of the run's finished stages per row (BC, iter k, and compare when `qevolve compare` ran in
+    it) and kind (STAGE_KINDS), from the manifests; stages that took more than one attempt (their last attempt
+    is counted) and those not finished: running now (the run directory's lock is held; seconds so far), or
+    stopped (a killed process: ``--resume`` continues), failed or interrupted, with their error."""
+    import time
+
+    from qevolve_cli.lock import RUN_DIR_LOCK, is_locked
+
+    now = time.time() if now is None else now
+    live = is_locked(run / RUN_DIR_LOCK)
+    rows: dict[str, dict[str, float]] = {}
+    resumed: list[str] = []
+    unfinished: list[dict[str, Any]] = []
+    for where, man in (("", run / "manifest.json"), ("compare/", run / "compare" / "manifest.json")):
+        if not man.is_file():
+            continue
+        try:
+            stages = json.loads(man.read_text()).get("stages", {})
+        except json.JSONDecodeError as e:
+            raise QevolveError(f"{man}: corrupt manifest ({e})") from None
+        for name, st in stages.items():
+            attempts = int(st.get("attempts", 1))
+            if attempts > 1:
+                resumed.append(where + name)
+            status = st.get("status")
+            if status == "done":
+                row = rows.setdefault("compare" if where else _time_row(name), {})
+                kind = stage_kind(name)
+                row[kind] = row.get(kind, 0.0) + float(st.get("seconds") or 0.0)
+                continue
+            u: dict[str, Any] = {"stage": where + name, "status": status, "attempt": attempts}
+            if status == "running":
+                u["status"] = "running" if live else "stopped"
+                u["seconds"] = round(max(0.0, now - float(st.get("started", now))), 1) if live else None
+            else:
+                u["seconds"] = st.get("seconds")
+                u["error"] = st.get("error")
+            unfinished.append(u)
+    order = ["BC"] + sorted((r for r in rows if r.startswith("iter ")), key=lambda r: int(r.split()[1])) + ["compare"]
+    out_rows = []
+    for r in order:
+        if r in rows:
+            cells = {k: round(rows[r].get(k, 0.0), 1) for k in STAGE_KINDS}
+            out_rows.append({"name": r, **cells, "total": round(sum(cells.values()), 1)})
+    return {"rows": out_rows, "total_s": round(sum(r["total"] for r in out_rows), 1), "resumed": resumed,
+            "unfinished": unfinished}
+
+
+def _minutes(x: float) -> str:
+    return "" if not x else f"{x / 60:.1f}"
+
+
+def stage_times_markdown(times: dict[str, Any]) -> str:
+    kinds = [k for k in STAGE_KINDS if any(r[k] for r in times["rows"])]
+    if not kinds:
+        return ""
+    lines = ["| | " + " | ".join(kinds) + " | total |", "|---" * (len(kinds) + 2) + "|"]
+    for r in times["rows"]:
+        lines.append(f"| {r['name']} | " + " | ".join(_minutes(r[k]) for k in kinds) + f" | {_minutes(r['total'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _unfinished_text(u: dict[str, Any]) -> str:
+    what = f"{u['stage']}: {u['status']} (attempt {u['attempt']}"
+    if u["status"] == "running" and u.get("seconds") is not None:
+        what += f", {u['seconds'] / 60:.1f} min so far"
+    what += ")"
+    if u["status"] == "stopped":
+        what += ": its process ended mid-stage; rerun the same command with --resume"
+    elif u.get("error"):
+        what += f": {u['error']}"
+    return what
+
+
+def selections(run: Path) -> list[dict[str, Any]]:
+    """The choices made on validation (``--select-on-validation``): BC's and each iteration's policy step, with
+    every candidate's setting and validation score (the manifest's ``selection`` metrics)."""
+    stages = _manifest(run).get("stages", {})
+    out = []
+    for name, st in stages.items():
+        sel = (st.get("metrics") or {}).get("selection") if st.get("status") == "done" else None
+        if sel:
+            out.append({"where": "BC" if name == "bc" else _time_row(name), "stage": name, **sel})
+    return out
+
+
 def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
     run = Path(run_dir)
     rows, splits = score_rows(run)
@@ -292,15 +406,24 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
     diags = critic_diagnostics(run)
     if plots and _plot_diagnostics(diags, _heldout_curves(run), out / "critic_diagnostics.png"):
         files.append("report/critic_diagnostics.png")
+    times, sels = stage_times(run), selections(run)
     md = markdown_table(rows, splits)
     if diags:
         md += "\nCritic diagnostics (docs/critic.md#diagnostics):\n\n" + diagnostics_markdown(diags)
+    if sels:
+        from qevolve_cli.evolve.select import describe
+
+        md += "\nChosen on validation (candidates: validation average reward x100):\n\n" + "".join(
+            f"- {s['where']}: {describe(s)}\n" for s in sels)
+    if t_md := stage_times_markdown(times):
+        md += "\nWall time of the finished stages (minutes):\n\n" + t_md
+    md += "".join(f"\n- {_unfinished_text(u)}" for u in times["unfinished"]) + ("\n" if times["unfinished"] else "")
     write_text(out / "scores.md", md)
     critic = {str(k): {key: d.get(key) for key in ("on", "trajectories", "steps", "n_success", "n_failed", *DIAG_KEYS,
                                                    "auc_v_ci", "problems")}
               for k, d in sorted(diags.items())}
     rep = {"run": str(run), "splits": splits, "rows": rows, "advantages": adv_stats, "critic": critic,
-           "files": files + ["report/scores.md"]}
+           "selection": sels, "stages": times, "files": files + ["report/scores.md"]}
     write_json(out / "report.json", rep)
     return rep
 
@@ -343,6 +466,24 @@ def print_table(rep: dict[str, Any]) -> None:
                       f(d.get("auc_v"), "{:.2f}"), f(d.get("auc_v0"), "{:.2f}"), f(d.get("v_std")),
                       "" if fp is None else f"{100 * fp:.0f} %", verdict_text(d))
         Console(width=max(100, Console().width)).print(c)
+    if rep.get("selection"):
+        from qevolve_cli.evolve.select import describe
+
+        Console(width=max(100, Console().width)).print(
+            "chosen on validation (candidates: validation average reward x100):\n" + "\n".join(
+                f"  {s['where']}: " + describe(s).replace("**", "") for s in rep["selection"]), highlight=False)
+    times = rep.get("stages") or {}
+    kinds = [k for k in STAGE_KINDS if any(r[k] for r in times.get("rows", []))]
+    if kinds:
+        tt = Table(title="wall time of the finished stages (minutes)")
+        tt.add_column("", no_wrap=True)
+        for k in [*kinds, "total"]:
+            tt.add_column(k, justify="right")
+        for r in times["rows"]:
+            tt.add_row(r["name"], *(_minutes(r[k]) for k in kinds), _minutes(r["total"]))
+        Console(width=max(100, Console().width)).print(tt)
+    for u in times.get("unfinished", []):
+        Console(width=max(100, Console().width)).print(_unfinished_text(u), highlight=False)
     files = rep.get("files", [])
     if files:
         Console(stderr=True).print("written: " + ", ".join(str(Path(rep["run"]) / f) for f in files))

@@ -22,6 +22,14 @@ linear layers, batch_size 2 as the presets) -> seconds and transitions/s. Also r
 padding fraction of the batches and the final losses of each arm.
 
     nice -n 10 python benchmarks/bench_policy.py --size smollm2 --grid --trajectories 12 --threads 2
+
+``--logits-ab`` trains each objective with ``logits: all`` (the output layer and log-softmax at every position)
+and ``logits: auto`` (at the loss positions only: transformers' ``logits_to_keep`` as a mask), twice each,
+interleaved, in fresh processes, on synthetic TextCraft-like data or an environment's expert trajectories
+(``--data lamps``), and reports the speed-up of the better run of each and both final NLLs:
+
+    python benchmarks/bench_policy.py --logits-ab --data lamps-habit --trajectories 32 --epochs 2
+    python benchmarks/bench_policy.py --logits-ab --size smollm2 --lora --data lamps --trajectories 8 --epochs 1 --threads 2
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import resource
 import sys
@@ -71,7 +80,7 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _run_policy(objective, data, model, out, threads, epochs, lora, q):
+def _run_policy(objective, data, model, out, threads, epochs, lora, logits, q):
     import torch
 
     torch.set_num_threads(threads)
@@ -79,7 +88,7 @@ def _run_policy(objective, data, model, out, threads, epochs, lora, q):
 
     cfg = PolicyConfig(objective=objective, epochs=epochs, lr=1e-3, micro_batch_tokens=4096, micro_batch_size=8,
                        warmup_ratio=0.0, bc_source="all", lora=lora, lora_r=16, lora_alpha=32,
-                       lora_target_modules="all-linear")
+                       lora_target_modules="all-linear", logits=logits)
     m = train_policy(cfg, data, model, out, quiet=True)
     q.put({"tokens_per_s": m["tokens_per_s"], "train_tokens": m["train_tokens"], "seconds": m["train_seconds"],
            "optimizer_steps": m["optimizer_steps"], "nll_before": m["nll_before"], "nll_after": m["nll_after"],
@@ -163,18 +172,12 @@ def grid(a, model, td: Path) -> dict:
     """fp32/bf16 x padded/per_sequence on lamps expert data: BC tokens/s and a critic epoch (see the doc)."""
     import polars as pl
 
-    from qevolve_cli import schema
-    from qevolve_cli.envs.expert import collect_expert
-    from qevolve_cli.labeling import LabelConfig, label_tables
     from qevolve_cli.policy.data import build_examples
     from qevolve_cli.tokenizer import load_tokenizer
     from qevolve_cli.training import padding_fraction, token_budget_batches
 
     n = a.trajectories or 12
-    df = collect_expert("lamps", "train", limit=n, workers=1)
-    schema.write_table(df, td / "expert.parquet", producer="bench_policy --grid")
-    label_tables([td / "expert.parquet"], td / "labeled.parquet", LabelConfig())
-    data = td / "labeled.parquet"
+    data = expert_data("lamps", n, td)
     lens = [len(e) for e in build_examples(pl.read_parquet(data), load_tokenizer(model), 2048)]
     res: dict = {"trajectories": n, "mean_tokens": round(sum(lens) / len(lens), 1),
                  "policy_padding_fraction": round(padding_fraction(
@@ -201,12 +204,64 @@ def grid(a, model, td: Path) -> dict:
     return res
 
 
+def expert_data(env: str, n: int, td: Path) -> Path:
+    """The first ``n`` expert trajectories of ``env``'s train split, labelled, with a seeded random advantage per
+    step in [-1, 1] (bppo / awr need one; its values do not change the work of a step)."""
+    import numpy as np
+    import polars as pl
+
+    from qevolve_cli import schema
+    from qevolve_cli.envs.expert import collect_expert
+    from qevolve_cli.labeling import LabelConfig, label_tables
+
+    df = collect_expert(env, "train", limit=n, workers=1)
+    schema.write_table(df, td / "expert.parquet", producer="bench_policy")
+    label_tables([td / "expert.parquet"], td / "labeled.parquet", LabelConfig())
+    lab = pl.read_parquet(td / "labeled.parquet")
+    adv = np.random.default_rng(0).uniform(-1, 1, lab.height)
+    schema.write_table(lab.with_columns(pl.Series("advantage", adv)), td / "data.parquet", producer="bench_policy")
+    return td / "data.parquet"
+
+
+def logits_ab(a, model, data: Path, td: Path, epochs: int) -> dict:
+    """Each objective trained twice in fresh processes on the same data: ``logits: all`` (the output layer at
+    every position) and ``logits: auto`` (at the loss positions only); tokens/s, the final NLL of both."""
+    import polars as pl
+
+    from qevolve_cli.policy.data import build_examples
+    from qevolve_cli.tokenizer import load_tokenizer
+
+    exs = build_examples(pl.read_parquet(data), load_tokenizer(model), 4096)
+    res: dict = {"sequences": len(exs), "mean_tokens": round(sum(len(e) for e in exs) / len(exs), 1),
+                 "loss_token_share": round(sum(int(e.loss_mask.sum()) for e in exs) / sum(len(e) for e in exs), 4),
+                 "loadavg_start": os.getloadavg()}
+    for obj in a.objectives.split(","):
+        r = {}
+        for logits in ("all", "auto", "all", "auto"):  # interleaved, twice: the machine's load drifts
+            m = _in_child(_run_policy, obj, str(data), str(model), str(td / f"{obj}_{logits}"), a.threads, epochs,
+                          a.lora, logits)
+            r.setdefault(logits, []).append(m)
+        best = {k: max(v, key=lambda m: m["tokens_per_s"]) for k, v in r.items()}
+        res[obj] = {"all": best["all"], "auto": best["auto"],
+                    "speedup": round(best["auto"]["tokens_per_s"] / best["all"]["tokens_per_s"], 2),
+                    "tokens_per_s_runs": {k: [m["tokens_per_s"] for m in v] for k, v in r.items()}}
+        print(f"{obj}: {res[obj]['speedup']}x {res[obj]['tokens_per_s_runs']}", file=sys.stderr, flush=True)
+    res["loadavg_end"] = os.getloadavg()
+    return res
+
+
 def _in_child(fn, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=fn, args=(*args, q))
     p.start()
-    res = q.get()
+    while True:  # a child that dies (an error, the OOM killer) sends nothing: do not wait for it forever
+        try:
+            res = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise SystemExit(f"bench_policy: {fn.__name__} ended with exit code {p.exitcode} and no result") from None
     p.join()
     return res
 
@@ -222,6 +277,11 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=0, help="override the epochs")
     ap.add_argument("--objectives", default="bc,bppo", help="with --grid: policy,critic")
     ap.add_argument("--grid", action="store_true", help="fp32/bf16 x padded/per_sequence on lamps data (issue 31)")
+    ap.add_argument("--logits-ab", action="store_true", help="logits: all vs auto (the output layer at the loss "
+                                                             "positions only), each objective, same data")
+    ap.add_argument("--data", default="synthetic", help="with --logits-ab: synthetic (TextCraft-like, --trajectories "
+                                                        "x --steps) or an environment's expert trajectories (lamps, "
+                                                        "lamps-habit, textcraft, ...: the first --trajectories)")
     a = ap.parse_args()
     if a.grid and a.objectives == "bc,bppo":
         a.objectives = "policy,critic"
@@ -243,12 +303,23 @@ def main() -> None:
                               else f"tiny llama ({a.size})", "lora": "r16 all-linear", "threads": a.threads,
                               "env": "lamps (expert, train split)", **grid(a, model, td)}))
             return
+        if a.logits_ab:
+            if a.data == "synthetic":
+                data = td / "data.parquet"
+                make_table(data, n_traj, steps)
+            else:
+                data = expert_data(a.data, n_traj, td)
+            print(json.dumps({"benchmark": "policy_logits_cpu", "model": "SmolLM2-135M-Instruct" if a.size == "smollm2"
+                              else f"tiny llama ({a.size})", "lora": "r16 all-linear" if a.lora else None,
+                              "threads": a.threads, "data": a.data, "trajectories": n_traj, "epochs": epochs,
+                              **logits_ab(a, model, data, td, epochs)}))
+            return
         data = td / "data.parquet"
         make_table(data, n_traj, steps)
         base = _in_child(_run_baseline, str(data), str(model), a.threads, epochs, a.lora)
         res = {}
         for obj in a.objectives.split(","):
-            r = _in_child(_run_policy, obj, str(data), str(model), str(td / obj), a.threads, epochs, a.lora)
+            r = _in_child(_run_policy, obj, str(data), str(model), str(td / obj), a.threads, epochs, a.lora, "auto")
             r["vs_baseline"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
             res[obj] = r
     print(json.dumps({

@@ -237,6 +237,18 @@ def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Te
     return torch.cat([lp, out[:, :1]], dim=1)
 
 
+def masked_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """:func:`sequence_logprobs` from the logits of the kept positions only. logits (N, V): one row per True of
+    ``keep`` (B, T) bool, in row-major order (what transformers returns for ``logits_to_keep=keep``); input_ids
+    (B, T) -> (B, T): position j holds ``log pi(x_{j+1} | x_{<=j})`` where ``keep`` is True, 0 elsewhere. The
+    last position has no next token: ``keep`` must be False there (``policy.data.collate``'s mask is). With no
+    kept position the result is all 0 and still part of the graph."""
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device)
+    nxt = torch.roll(input_ids, shifts=-1, dims=1)[keep]  # the last column would wrap: keep is False there
+    lp = -torch.nn.functional.cross_entropy(logits.float(), nxt, reduction="none")
+    return out.masked_scatter(keep, lp)
+
+
 # ---- critic losses ----
 # Weighted IQL (docs/critic.md, paper Appendix "Critic Model Structure"). Tensors of
 # per-step quantities have shape (B, K): B trajectories x K sampled steps

@@ -347,3 +347,31 @@ def test_dpo_nll_masked_positions_have_no_effect():
     assert float(loss2.detach()) == pytest.approx(float(loss.detach()), rel=1e-12)
     assert torch.equal(lp2.grad, g)
     assert (lp2.grad[~m_c] == 0).all()
+
+
+def test_masked_logprobs_matches_loop_and_leaves_the_rest_zero():
+    """The log-probs from the kept positions' logits only (transformers' logits_to_keep as a mask): the full
+    computation's values where kept, 0 elsewhere, and no gradient to a dropped position's logits."""
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 3, 7, 13
+    logits = torch.randn(B, T, V, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    keep = torch.rand(B, T, generator=g) < 0.5
+    keep[:, -1] = False  # nothing to predict after the last token
+    lp = algos.masked_logprobs(logits[keep], ids, keep)
+    ls = torch.log_softmax(logits.detach(), -1)
+    for b in range(B):
+        for j in range(T):
+            want = float(ls[b, j, ids[b, j + 1]]) if keep[b, j] else 0.0
+            assert float(lp[b, j]) == pytest.approx(want, abs=1e-5)
+    torch.testing.assert_close(lp[keep], algos.sequence_logprobs(logits.detach(), ids)[keep])
+    lp.sum().backward()
+    assert torch.all(logits.grad[~keep] == 0) and torch.all(logits.grad[keep].abs().sum(-1) > 0)
+    # by hand: two tokens, uniform logits over 4 -> log(1/4) at the one kept position
+    hand = algos.masked_logprobs(torch.zeros(1, 4), torch.tensor([[1, 2, 3]]), torch.tensor([[False, True, False]]))
+    assert hand.tolist() == [[0.0, pytest.approx(-math.log(4)), 0.0]]
+    # nothing kept: all 0, and a loss on it still back-propagates (a micro-batch without loss tokens)
+    empty = torch.zeros(0, V, requires_grad=True)
+    z = algos.masked_logprobs(empty, ids, torch.zeros(B, T, dtype=torch.bool))
+    assert torch.all(z == 0) and z.requires_grad
+    z.sum().backward()

@@ -88,6 +88,73 @@ def test_policy_per_sequence_equals_padded(tiny_model_dir):
     torch.testing.assert_close(batch_logprobs(model, eq, "cpu", True), batch_logprobs(model, eq, "cpu", False))
 
 
+def test_policy_masked_logits_equal_the_full_forward(tiny_model_dir):
+    """``logits: auto`` computes the output layer at the loss positions only: the same log-probs there (0
+    elsewhere), the same BPPO loss and gradients as every position (``logits: all``), padded and per sequence,
+    for the plain model and a PEFT LoRA one; a model whose forward has no ``logits_to_keep`` gets every
+    position."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from qevolve_cli.algos import bppo_loss
+    from qevolve_cli.policy.logprobs import batch_logprobs, masked_logits_supported
+
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32),
+                          LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    for n, p in lora.named_parameters():  # LoRA B starts at 0: move it so the adapter changes the output
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    lengths = [37, 64, 12]
+    ids, att = _batch(lengths, plain.config.vocab_size)
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for b, n in enumerate(lengths):  # spans like action tokens, the last real position never
+        for s0 in range(3 + b, n - 1, 9):
+            mask[b, s0 : min(s0 + 4, n - 1)] = True
+    batch = {"input_ids": ids, "attention_mask": att, "mask": mask}
+    adv = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+
+    class NoKeep(torch.nn.Module):  # a causal LM whose forward does not take logits_to_keep
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+    class Engine(torch.nn.Module):  # DeepSpeed's engine / DDP: the model under .module, a config of its own
+        def __init__(self, m):
+            super().__init__()
+            self.module, self.config = m, {"zero_optimization": {"stage": 2}}
+
+    assert masked_logits_supported(plain) and masked_logits_supported(lora) and not masked_logits_supported(NoKeep(plain))
+    assert masked_logits_supported(Engine(lora)) and not masked_logits_supported(Engine(NoKeep(plain)))
+    for model in (plain, lora):
+        with torch.no_grad():
+            old = batch_logprobs(model, batch, "cpu", False, all_logits=True) - 0.05
+
+        def run(per_sequence, all_logits, m=model, old=old):
+            m.zero_grad(set_to_none=True)
+            lp = batch_logprobs(m, batch, "cpu", per_sequence, all_logits)
+            loss, _ = bppo_loss(lp, old, adv, mask, torch.ones_like(adv), 0.2, 0.2, old, 0.0, "k3")
+            loss.backward()
+            return lp.detach(), loss.detach(), [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+        for per_sequence in (False, True):
+            lp_all, loss_all, g_all = run(per_sequence, True)
+            lp_keep, loss_keep, g_keep = run(per_sequence, False)
+            torch.testing.assert_close(lp_keep[mask], lp_all[mask], atol=1e-5, rtol=1e-5)
+            assert torch.all(lp_keep[~mask] == 0) and bool((lp_all[~mask] != 0).any())
+            torch.testing.assert_close(loss_keep, loss_all, atol=1e-6, rtol=1e-5)
+            assert len(g_keep) == len(g_all) > 2 and any(float(g.abs().max()) > 0 for g in g_keep)
+            for a, b in zip(g_keep, g_all, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # the fallback: every position, the same values
+        torch.testing.assert_close(batch_logprobs(NoKeep(plain), batch, "cpu", False),
+                                   batch_logprobs(plain, batch, "cpu", False, all_logits=True))
+
+
 def test_critic_per_sequence_equals_padded(tiny_model_dir):
     """Pooled states at the step positions and the Q/V losses: per-sequence == padded."""
     from qevolve_cli.algos import critic_v_loss

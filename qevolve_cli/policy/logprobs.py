@@ -9,34 +9,80 @@ import numpy as np
 from qevolve_cli.policy.data import PolicyExample, collate
 
 
-def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False):
-    """Per-token log pi of the next token, (B, T) prediction-aligned.
+def masked_logits_supported(model) -> bool:
+    """Whether ``model`` (or the model under a PEFT / DeepSpeed / DDP wrapper) takes ``logits_to_keep`` as a
+    boolean (B, T) mask: transformers' causal LMs that slice their hidden states with ``slice_logits_to_keep``
+    (transformers 5; Llama, Qwen, Mistral, ...). Others (older transformers, remote code) get every position."""
+    import inspect
+    import sys
 
-    ``per_sequence``: one forward per row, cut to its own length (the batch is right-padded), so no
-    padding position is computed and no attention mask is needed; the real positions hold the same
-    values as the padded forward (causal attention), the positions past a row's end hold 0."""
     import torch
+    from transformers import PreTrainedModel
 
-    from qevolve_cli.algos import sequence_logprobs
+    m = model
+    for _ in range(4):  # PEFT -> the base model; DeepSpeed engine / DDP -> .module
+        if isinstance(m, PreTrainedModel):
+            break
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+        elif isinstance(getattr(m, "module", None), torch.nn.Module):
+            m = m.module
+        else:
+            break
+    key = type(m)
+    if key not in _MASKED_OK:
+        mod = sys.modules.get(key.__module__)
+        try:
+            takes = "logits_to_keep" in inspect.signature(key.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _MASKED_OK[key] = takes and getattr(mod, "slice_logits_to_keep", None) is not None
+    return _MASKED_OK[key]
+
+
+_MASKED_OK: dict[type, bool] = {}
+
+
+def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, all_logits: bool = False):
+    """Per-token log pi of the next token, (B, T) prediction-aligned, at the positions of the batch's loss
+    ``mask``; the other positions hold 0 (nothing reads them: every loss, ratio and statistic is masked). A
+    batch without ``mask`` gets every position.
+
+    The output layer and the log-softmax run at the masked positions only (``logits_to_keep`` with the mask),
+    where the model supports it (:func:`masked_logits_supported`) and ``all_logits`` is off; the values are
+    those of the full forward. ``per_sequence``: one forward per row, cut to its own length (the batch is
+    right-padded), so no padding position is computed and no attention mask is needed; the real positions hold
+    the same values as the padded forward (causal attention)."""
+    import torch
 
     ids = batch["input_ids"].to(device)
     att = batch["attention_mask"]
+    mask = batch.get("mask")
+    keep = None if all_logits or mask is None or not masked_logits_supported(model) else mask.to(device)
     lens = att.sum(dim=1).tolist()
     if per_sequence and min(lens) < ids.shape[1]:
         T = ids.shape[1]
         rows = []
         for b, n in enumerate(lens):
-            row = ids[b : b + 1, :n]
-            lp = sequence_logprobs(model(input_ids=row, use_cache=False).logits, row)
+            lp = _logprobs(model, ids[b : b + 1, :n], None, None if keep is None else keep[b : b + 1, :n])
             rows.append(torch.nn.functional.pad(lp, (0, T - n)))
         return torch.cat(rows, dim=0)
-    out = model(input_ids=ids, attention_mask=att.to(device), use_cache=False)
-    return sequence_logprobs(out.logits, ids)
+    return _logprobs(model, ids, att.to(device), keep)
+
+
+def _logprobs(model, ids, att, keep):
+    from qevolve_cli.algos import masked_logprobs, sequence_logprobs
+
+    if keep is None:
+        return sequence_logprobs(model(input_ids=ids, attention_mask=att, use_cache=False).logits, ids)
+    out = model(input_ids=ids, attention_mask=att, use_cache=False, logits_to_keep=keep)
+    return masked_logprobs(out.logits, ids, keep)
 
 
 def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_tokens: int, device: str,
-                     autocast=None, per_sequence: bool = False) -> list[np.ndarray]:
-    """Log-probs of every example under ``model`` (eval mode, no grad) -> one (L,) array per example."""
+                     autocast=None, per_sequence: bool = False, all_logits: bool = False) -> list[np.ndarray]:
+    """Log-probs of every example under ``model`` (eval mode, no grad) -> one (L,) array per example, at its loss
+    positions (0 elsewhere: :func:`batch_logprobs`)."""
     import contextlib
 
     import torch
@@ -50,7 +96,7 @@ def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_toke
         for idx in token_budget_batches([len(e) for e in examples], max_tokens, 0, shuffle=False):
             batch = collate([examples[i] for i in idx], pad_id)
             with autocast() if autocast else contextlib.nullcontext():
-                lp = batch_logprobs(model, batch, device, per_sequence).float().cpu().numpy()
+                lp = batch_logprobs(model, batch, device, per_sequence, all_logits).float().cpu().numpy()
             for b, i in enumerate(idx):
                 res[i] = lp[b, : len(examples[i])].copy()
     if was_training:

@@ -232,7 +232,7 @@ def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, pe
     forward per sequence (``batch_layout``)."""
     device = backend.device
     lp = LogProbs(init=compute_logprobs(policy, pd.examples, pd.pad_id, cfg.micro_batch_tokens, device,
-                                        backend.autocast, per_seq))
+                                        backend.autocast, per_seq, cfg.logits == "all"))
     if cfg.objective in ("bppo", "dpo"):
         if cfg.objective == "bppo":
             lp.old = lp.init
@@ -241,7 +241,7 @@ def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, pe
 
             ref_model = load_causal_lm(ref, what="--ref").to(device)
             lp.ref = compute_logprobs(ref_model, pd.examples, pd.pad_id, cfg.micro_batch_tokens, device,
-                                      backend.autocast, per_seq)
+                                      backend.autocast, per_seq, cfg.logits == "all")
             del ref_model
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -278,7 +278,7 @@ def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, per_seq: bool, 
         rows = [pd.pairs[p][0] for p in idx] + [pd.pairs[p][1] for p in idx]
         batch = collate([pd.examples[i] for i in rows], pd.pad_id, cfg.thought_weight, None,
                         [lp.ref[i] for i in rows])
-        logp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
+        logp = batch_logprobs(m, batch, ctx["device"], per_seq, cfg.logits == "all").float()
         mask = batch["mask"].to(logp.device)
         ratio = sequence_logratio(logp, batch["logp_ref"].to(logp.device), mask)
         n = len(idx)
@@ -287,7 +287,7 @@ def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, per_seq: bool, 
     old = [lp.old[i] for i in idx] if lp.old is not None else None
     refl = [lp.ref[i] for i in idx] if lp.ref is not None else None
     batch = collate(exs, pd.pad_id, cfg.thought_weight, old, refl)
-    logp = batch_logprobs(m, batch, ctx["device"], per_seq).float()
+    logp = batch_logprobs(m, batch, ctx["device"], per_seq, cfg.logits == "all").float()
     mask = batch["mask"].to(logp.device)
     tw = batch["token_weights"].to(logp.device)
     if cfg.objective in ("bc", "rft"):
@@ -308,7 +308,7 @@ def policy_hooks(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, backend, per_s
     def on_step(step: int, m) -> None:
         if cfg.objective == "bppo" and cfg.old_refresh_steps and step % cfg.old_refresh_steps == 0:
             lp.old = compute_logprobs(m, pd.examples, pd.pad_id, cfg.micro_batch_tokens, backend.device,
-                                      backend.autocast, per_seq)
+                                      backend.autocast, per_seq, cfg.logits == "all")
 
     return Hooks(on_step=on_step, extra_state=lp.state_tensors,
                  load_extra_state=lambda extra: lp.load_state_tensors(extra, pd.examples, ckpt_dir))
@@ -323,7 +323,7 @@ def summarize(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, result, unwrapped
     tokens and the per-step action log-prob change by advantage sign before / after, rft's and dpo's counts."""
     before = step_logprob_stats(pd.examples, lp.init)
     lp_final = compute_logprobs(unwrapped, pd.examples, pd.pad_id, cfg.micro_batch_tokens, backend.device,
-                                backend.autocast, per_seq)
+                                backend.autocast, per_seq, cfg.logits == "all")
     after = step_logprob_stats(pd.examples, lp_final)
 
     def delta(sign: int) -> float | None:

@@ -241,3 +241,17 @@ def test_a_slice_with_too_few_failures_is_not_judged_on_outcomes():
     # diagnostics written before the counts existed are judged as before
     old = {k: v for k, v in few.items() if k not in ("n_success", "n_failed")}
     assert any(p.startswith("AUC of V for success") for p in dg.verdict(old)) and dg.caveats(old) == []
+
+
+def test_a_value_just_under_the_bar_reads_under_it():
+    """The verdict prints a failed check's value with the decimals it takes to read below the bar (a run of
+    `make demo` printed "explained variance of V 0.10 < 0.10"); the narrow report column says only the word."""
+    assert [dg._below(x, 0.10) for x in (0.0996, 0.05, 0.09999, -0.2)] == ["0.0996", "0.05", "0.09999", "-0.20"]
+    assert dg._below(0.5994, 0.6) == "0.599"
+    d = {"ev_return": 0.0996, "auc_v": 0.8, "v_std": 0.5, "failed_self_pos_adv": 0.1, "n_success": 30, "n_failed": 6}
+    assert dg.verdict(d) == ["explained variance of V 0.0996 < 0.10"]
+    assert dg.verdict_word(d) == "not learned" and dg.verdict_text(d) == "explained variance of V 0.0996 < 0.10"
+    ok = {**d, "ev_return": 0.3}
+    assert dg.verdict(ok) == [] and dg.verdict_word(ok) == "learned"
+    few = {**d, "n_failed": 2}
+    assert dg.verdict_word(few) == "not judged (2 failed held out)"

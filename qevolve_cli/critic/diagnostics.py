@@ -338,6 +338,14 @@ def too_few(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> bo
     return ns is not None and nf is not None and min(ns, nf) < th["min_per_outcome"]
 
 
+def _below(x: float, thr: float) -> str:
+    """``x`` with 2 decimals, or as many more as it takes to read below ``thr`` (0.0996 < 0.10, not 0.10 < 0.10)."""
+    for nd in (2, 3, 4, 5, 6):
+        if float(txt := f"{x:.{nd}f}") < thr:
+            return txt
+    return repr(x)
+
+
 def verdict(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> list[str]:
     """The reasons (short phrases) why the diagnostics say the critic has not learned; [] = fine (or not
     judged: see :func:`caveats`)."""
@@ -346,10 +354,10 @@ def verdict(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> li
     bad: list[str] = []
     ev = d.get("ev_return")
     if judge_outcomes and ev is not None and ev < th["ev_return"]:
-        bad.append(f"explained variance of V {ev:.2f} < {th['ev_return']:.2f}")
+        bad.append(f"explained variance of V {_below(ev, th['ev_return'])} < {th['ev_return']:.2f}")
     a = d.get("auc_v")
     if judge_outcomes and a is not None and a < th["auc_v"]:
-        bad.append(f"AUC of V for success {a:.2f} < {th['auc_v']:.2f}")
+        bad.append(f"AUC of V for success {_below(a, th['auc_v'])} < {th['auc_v']:.2f}")
     sd = d.get("v_std")
     if sd is not None and sd < th["v_std"]:
         bad.append(f"V is flat (sd {sd:.4f})")
@@ -374,6 +382,15 @@ def caveats(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> li
     auc_txt = f"; AUC of V {d['auc_v']:.2f}" if d.get("auc_v") is not None else ""
     return [f"only {n} {kind} of {int(d['n_success']) + int(d['n_failed'])} trajectories (fewer than {th['min_per_outcome']:.0f} of an outcome{auc_txt}): "
             "explained variance, AUC and failed-step advantages not judged"]
+
+
+def verdict_word(d: dict[str, Any]) -> str:
+    """The verdict alone, for a narrow column: "not learned" (the reasons: :func:`verdict_text`), "not judged
+    (N failed held out)" or "learned"."""
+    bad = d.get("problems")
+    if bad is None:
+        bad = verdict(d)
+    return "not learned" if bad else verdict_text(d)
 
 
 def verdict_text(d: dict[str, Any]) -> str:

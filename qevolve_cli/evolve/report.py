@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.atomic import atomic_path, write_json, write_text
-from qevolve_cli.critic.diagnostics import verdict_text
+from qevolve_cli.critic.diagnostics import verdict_text, verdict_word
 from qevolve_cli.errors import QevolveError
 
 
@@ -464,8 +464,12 @@ def print_table(rep: dict[str, Any]) -> None:
             fp = d.get("failed_self_pos_adv")
             c.add_row(k, str(d.get("on") or ""), f(d.get("bellman_q"), "{:.4f}"), f(d.get("ev_return"), "{:.2f}"),
                       f(d.get("auc_v"), "{:.2f}"), f(d.get("auc_v0"), "{:.2f}"), f(d.get("v_std")),
-                      "" if fp is None else f"{100 * fp:.0f} %", verdict_text(d))
+                      "" if fp is None else f"{100 * fp:.0f} %", verdict_word(d))
         Console(width=max(100, Console().width)).print(c)
+        for k, d in rep["critic"].items():  # the reasons, one line each: the column stays narrow
+            if verdict_word(d) == "not learned":
+                Console(width=max(100, Console().width)).print(f"critic of iteration {k}: {verdict_text(d)}",
+                                                               highlight=False)
     if rep.get("selection"):
         from qevolve_cli.evolve.select import describe
 

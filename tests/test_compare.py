@@ -182,6 +182,37 @@ def test_compare_bad_inputs_one_line_errors(run, tmp_path):
     assert r.exit_code == 2 and "no expert table" in r.output and "solver" not in r.output
 
 
+def test_compare_refuses_a_run_directory_in_use(run, tmp_path):
+    """compare takes the run directory's lock, as evolve does: while another process holds it (an evolve
+    --resume rewriting the policies compare trains from, or a second compare) it stops with one line and
+    writes nothing; once the holder is gone it goes on (here to the next problem of this bare directory)."""
+    import signal
+    import subprocess
+    import sys
+
+    from qevolve_cli.cli import app
+    from qevolve_cli.lock import run_dir_lock
+    from tests.conftest import ROOT, qevolve_env
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run / "config.yaml", bare / "config.yaml")
+    hold = subprocess.Popen([sys.executable, "-c", "import sys, time; from qevolve_cli.lock import acquire; "
+                             "acquire(sys.argv[1], 'run'); print('held', flush=True); time.sleep(600)",
+                             str(run_dir_lock(bare))], cwd=ROOT, env=qevolve_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        r = CliRunner().invoke(app, ["compare", "--run-dir", str(bare), "--quiet"])
+        assert r.exit_code == 2 and r.output.startswith(f"error: {bare}: in use by another qevolve process "
+                                                        f"(pid {hold.pid};"), r.output
+        assert len(r.output.strip().splitlines()) == 1 and not (bare / "compare").exists()
+    finally:
+        hold.send_signal(signal.SIGKILL)
+        hold.wait(timeout=30)
+    r = CliRunner().invoke(app, ["compare", "--run-dir", str(bare), "--quiet"])
+    assert r.exit_code == 2 and "no expert table" in r.output
+
+
 def test_compare_yaml_mirrors_the_config_defaults():
     from qevolve_cli.config import load_config
     from qevolve_cli.evolve.compare import CompareConfig

@@ -154,6 +154,19 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
 
     ``select_only`` (with ``select_on_validation``): stop after the selection (no test split is read);
     returns ``{"selection": {arm: record}}`` and writes it to ``selection.json``."""
+    from qevolve_cli.lock import exclusive, run_dir_lock
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").exists():
+        raise QevolveError(f"{run}: not a qevolve evolve run directory (no config.yaml)")
+    # the run directory's lock, as evolve's: a second compare, or an evolve --resume rewriting the policies this
+    # one trains from, is refused with one line instead of both writing the same files
+    with exclusive(run_dir_lock(run), run):
+        return _run_compare(run, ccfg, out, resume, echo, quiet, select_only)
+
+
+def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, resume: bool,
+                 echo: Callable[[str], None], quiet: bool, select_only: bool) -> dict[str, Any]:
     import yaml
 
     from qevolve_cli import schema
@@ -165,10 +178,7 @@ def run_compare(run_dir: str | Path, ccfg: CompareConfig | None = None, out: str
     from qevolve_cli.evolve.rundir import RunDir
 
     ccfg = ccfg or CompareConfig()
-    run = Path(run_dir)
     cfg_path = run / "config.yaml"
-    if not cfg_path.exists():
-        raise QevolveError(f"{run}: not a qevolve evolve run directory (no config.yaml)")
     ecfg = EvolveConfig.from_dict(yaml.safe_load(cfg_path.read_text()), source=cfg_path)
     evolve_run = RunDir(run)
     plan = Plan(ecfg, run)

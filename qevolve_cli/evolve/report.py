@@ -450,7 +450,8 @@ def print_table(rep: dict[str, Any]) -> None:
         for s in rep["splits"]:
             cells += ([f"{100 * (r[s]['avg_reward'] or 0):.1f}", f"{100 * (r[s]['success_rate'] or 0):.1f}"] if s in r else ["", ""])
         t.add_row(r["name"], *cells, str(r["env_steps"]), str(r["cumulative_env_steps"]))
-    Console(width=max(100, Console().width)).print(t)
+    con = Console(width=max(100, Console().width))  # not narrower than the tables, in a pipe too
+    con.print(t)
     if rep.get("critic"):
         c = Table(title="critic diagnostics (docs/critic.md#diagnostics)", caption="explained variance of V against "
                   "the discounted return, AUC of V for success, share of failed self steps with A > 0")
@@ -465,15 +466,14 @@ def print_table(rep: dict[str, Any]) -> None:
             c.add_row(k, str(d.get("on") or ""), f(d.get("bellman_q"), "{:.4f}"), f(d.get("ev_return"), "{:.2f}"),
                       f(d.get("auc_v"), "{:.2f}"), f(d.get("auc_v0"), "{:.2f}"), f(d.get("v_std")),
                       "" if fp is None else f"{100 * fp:.0f} %", verdict_word(d))
-        Console(width=max(100, Console().width)).print(c)
+        con.print(c)
         for k, d in rep["critic"].items():  # the reasons, one line each: the column stays narrow
             if verdict_word(d) == "not learned":
-                Console(width=max(100, Console().width)).print(f"critic of iteration {k}: {verdict_text(d)}",
-                                                               highlight=False)
+                con.print(f"critic of iteration {k}: {verdict_text(d)}", highlight=False)
     if rep.get("selection"):
         from qevolve_cli.evolve.select import describe
 
-        Console(width=max(100, Console().width)).print(
+        con.print(
             "chosen on validation (candidates: validation average reward x100):\n" + "\n".join(
                 f"  {s['where']}: " + describe(s).replace("**", "") for s in rep["selection"]), highlight=False)
     times = rep.get("stages") or {}
@@ -485,9 +485,9 @@ def print_table(rep: dict[str, Any]) -> None:
             tt.add_column(k, justify="right")
         for r in times["rows"]:
             tt.add_row(r["name"], *(_minutes(r[k]) for k in kinds), _minutes(r["total"]))
-        Console(width=max(100, Console().width)).print(tt)
+        con.print(tt)
     for u in times.get("unfinished", []):
-        Console(width=max(100, Console().width)).print(_unfinished_text(u), highlight=False)
+        con.print(_unfinished_text(u), highlight=False)
     files = rep.get("files", [])
     if files:
         Console(stderr=True).print("written: " + ", ".join(str(Path(rep["run"]) / f) for f in files))

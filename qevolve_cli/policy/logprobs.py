@@ -8,6 +8,8 @@ import numpy as np
 
 from qevolve_cli.policy.data import PolicyExample, collate
 
+_MASKED_OK: dict[type, bool] = {}  # model class -> whether it takes the mask (masked_logits_supported)
+
 
 def masked_logits_supported(model) -> bool:
     """Whether ``model`` (or the model under a PEFT / DeepSpeed / DDP wrapper) takes ``logits_to_keep`` as a
@@ -38,9 +40,6 @@ def masked_logits_supported(model) -> bool:
             takes = False
         _MASKED_OK[key] = takes and getattr(mod, "slice_logits_to_keep", None) is not None
     return _MASKED_OK[key]
-
-
-_MASKED_OK: dict[type, bool] = {}
 
 
 def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, all_logits: bool = False):

@@ -11,8 +11,9 @@ docs/compare.md on stderr: the scores, the paired differences, and each arm's bu
 data of every training stage, the validation scores of the candidates each selection chose from) and each seed's
 cost. ``times``: ``evolve_s`` / ``compare_s``, wall seconds of the invocation that finished the seed (after a
 resume, only the part after it), and ``evolve_stage_s`` / ``compare_stage_s``, the seconds of the seed's stages
-summed from its run manifests, which survive resumes (a stage resumed after a kill counts its last attempt:
-``resumed_stages`` says how many were). Resumable:
+summed from its run manifests, which survive resumes (every attempt of a stage resumed after a kill, the killed
+one to its last heartbeat; runs made before 2026-11-28 counted the last attempt only: ``resumed_stages`` says how
+many stages took more than one). Resumable:
 a seed whose comparison is finished with the same configuration is read, not re-run; an unfinished one
 resumes at its last finished stage.
 
@@ -115,14 +116,16 @@ def _write_kept(path: Path, obj: dict) -> None:
 def stage_seconds(run: Path) -> dict | None:
     """The seed's cost from its run manifests: the seconds of the finished stages of ``evolve`` (run/manifest.json)
     and of ``compare`` (run/compare/manifest.json), summed. Unlike the invocation's wall time this counts every
-    session of a resumed seed; a stage itself resumed after a kill counts its last attempt only
-    (``resumed_stages``: how many stages took more than one). None when either manifest is missing."""
+    session of a resumed seed, and every attempt of a stage resumed after a kill (``seconds_total``; manifests
+    made before 2026-11-28 hold the last attempt only; ``resumed_stages``: how many stages took more than one).
+    None when either manifest is missing."""
     out: dict = {"resumed_stages": 0}
     for key, man in (("evolve_stage_s", run / "manifest.json"), ("compare_stage_s", run / "compare" / "manifest.json")):
         if not man.is_file():
             return None
         stages = json.loads(man.read_text()).get("stages", {}).values()
-        out[key] = round(sum(float(s.get("seconds") or 0.0) for s in stages if s.get("status") == "done"), 1)
+        out[key] = round(sum(float(s.get("seconds_total", s.get("seconds")) or 0.0) for s in stages
+                             if s.get("status") == "done"), 1)
         out["resumed_stages"] += sum(1 for s in stages if int(s.get("attempts", 1)) > 1)
     return out
 

@@ -76,8 +76,8 @@ def test_stage_times_sum_finished_stages_per_iteration_and_kind(run):
     assert t["total_s"] == 409.0 + 1009.5 + 520.0
     assert t["resumed"] == ["bc/cand_epochs2", "iter_2/rollout", "compare/eval/rft_test_seen"]
     # nobody holds the run directory's lock: the "running" stage was killed with its process
-    assert t["unfinished"] == [
-        {"stage": "iter_2/rollout", "status": "stopped", "attempt": 3, "seconds": None},
+    assert t["unfinished"] == [  # killed before its first heartbeat: no seconds known
+        {"stage": "iter_2/rollout", "status": "stopped", "attempt": 3, "seconds": 0.0},
         {"stage": "iter_2/label", "status": "failed", "attempt": 1, "seconds": 2.0, "error": "bad table"}]
     with exclusive(run / RUN_DIR_LOCK, run):  # a live evolve holds it: the stage runs, for 300 s so far
         assert stage_times(run, now=1300.0)["unfinished"][0] == {"stage": "iter_2/rollout", "status": "running",
@@ -94,5 +94,80 @@ def test_report_carries_times_choices_and_what_to_do(run):
     md = (run / "report" / "scores.md").read_text()
     assert "- BC: **epochs2** of 2 (base 50.0, epochs2 72.5)" in md
     assert "- iter_2/rollout: stopped (attempt 3): its process ended mid-stage; rerun the same command with --resume" in md
-    assert "- iter_2/label: failed (attempt 1): bad table" in md
+    assert "- iter_2/label: failed (attempt 1, 0.0 min so far): bad table" in md
     assert json.loads((run / "report" / "report.json").read_text())["stages"] == rep["stages"]
+
+
+def test_attempt_seconds_of_a_failed_a_killed_and_a_finished_attempt():
+    from qevolve_cli.evolve.rundir import attempt_seconds
+
+    assert attempt_seconds({"status": "failed", "seconds": 12.5}, None) == 12.5
+    assert attempt_seconds({"status": "interrupted", "seconds": 3.0}, {"attempt": 1, "time": 999.0}) == 3.0
+    killed = {"status": "running", "started": 100.0, "attempts": 2}
+    assert attempt_seconds(killed, {"attempt": 2, "time": 160.0}) == 60.0
+    assert attempt_seconds(killed, {"attempt": 1, "time": 160.0}) == 0.0  # an older attempt's heartbeat
+    assert attempt_seconds(killed, None) == 0.0  # killed before its first heartbeat
+    assert attempt_seconds({"status": "done", "seconds": 5.0}, None) == 0.0
+
+
+HOLD_STAGE = """
+import sys, time
+from qevolve_cli.evolve import rundir
+rundir.HEARTBEAT_S = 0.05
+r = rundir.RunDir(sys.argv[1])
+r.run_stage("iter_1/critic", lambda: (print("started", flush=True), time.sleep(600)), inputs=[], outputs=[],
+            config_hash="h", iteration=1, echo=lambda m: None)
+"""
+
+
+def test_a_stage_killed_with_its_process_counts_to_its_last_heartbeat(tmp_path):
+    """SIGKILL a process mid-stage: the report calls the stage stopped, with its minutes to the last heartbeat;
+    a failed attempt records its own; the attempt that finishes the stage adds both (``seconds_total``), and
+    the time table counts the total."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from qevolve_cli.evolve import rundir
+    from tests.conftest import ROOT, qevolve_env
+
+    run = tmp_path / "run"
+    run.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", HOLD_STAGE, str(run)], cwd=ROOT, env=qevolve_env(),
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "started"
+        t0 = time.monotonic()
+        time.sleep(1.0)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    ran = time.monotonic() - t0  # how long the stage ran at least (the kill came after this)
+    st = json.loads((run / "manifest.json").read_text())["stages"]["iter_1/critic"]
+    assert st["status"] == "running" and "seconds" not in st
+    stopped = stage_times(run)["unfinished"]
+    assert [(u["stage"], u["status"], u["attempt"]) for u in stopped] == [("iter_1/critic", "stopped", 1)]
+    assert 0.5 <= stopped[0]["seconds"] <= ran + 0.5  # to the last heartbeat (0.05 s apart, if not starved)
+
+    r = rundir.RunDir(run)
+
+    def fail():
+        time.sleep(0.2)
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        r.run_stage("iter_1/critic", fail, inputs=[], outputs=[], config_hash="h", iteration=1, echo=lambda m: None)
+    st = r.stages["iter_1/critic"]
+    assert st["status"] == "failed" and st["attempts"] == 2 and st["seconds_before"] == pytest.approx(stopped[0]["seconds"], abs=0.06)
+    assert st["seconds_total"] == pytest.approx(st["seconds_before"] + st["seconds"], abs=1e-3)
+    r.run_stage("iter_1/critic", lambda: time.sleep(0.1), inputs=[], outputs=[], config_hash="h", iteration=1,
+                echo=lambda m: None)
+    st = json.loads((run / "manifest.json").read_text())["stages"]["iter_1/critic"]
+    assert st["status"] == "done" and st["attempts"] == 3 and 0.1 <= st["seconds"] < 0.5
+    assert st["seconds_before"] >= stopped[0]["seconds"] + 0.15 and st["seconds_total"] == pytest.approx(st["seconds_before"] + st["seconds"],
+                                                                                abs=1e-3)
+    assert not list((run / rundir.HEARTBEATS).iterdir())  # the finished stage's heartbeat is gone
+    t = stage_times(run)
+    assert t["rows"][0]["name"] == "iter 1" and t["rows"][0]["critic"] == pytest.approx(st["seconds_total"], abs=0.1)
+    assert t["unfinished"] == [] and t["resumed"] == ["iter_1/critic"]

@@ -302,11 +302,13 @@ def _time_row(name: str) -> str:
 
 def stage_times(run: Path, now: float | None = None) -> dict[str, Any]:
     """Wall seconds of the run's finished stages per row (BC, iter k, and compare when `qevolve compare` ran in
-    it) and kind (STAGE_KINDS), from the manifests; stages that took more than one attempt (their last attempt
-    is counted) and those not finished: running now (the run directory's lock is held; seconds so far), or
-    stopped (a killed process: ``--resume`` continues), failed or interrupted, with their error."""
+    it) and kind (STAGE_KINDS), from the manifests, every attempt counted (a killed one to its last heartbeat;
+    runs made before 2026-11-28 recorded the last attempt only); the stages that took more than one attempt;
+    and those not finished, with their seconds so far: running now (the run directory's lock is held), stopped
+    (a killed process: ``--resume`` continues), failed or interrupted, with their error."""
     import time
 
+    from qevolve_cli.evolve.rundir import HEARTBEATS, _read_json, attempt_seconds
     from qevolve_cli.lock import RUN_DIR_LOCK, is_locked
 
     now = time.time() if now is None else now
@@ -326,17 +328,21 @@ def stage_times(run: Path, now: float | None = None) -> dict[str, Any]:
             if attempts > 1:
                 resumed.append(where + name)
             status = st.get("status")
-            if status == "done":
+            if status == "done":  # every attempt (seconds_total), or the last one in runs made before it
                 row = rows.setdefault("compare" if where else _time_row(name), {})
                 kind = stage_kind(name)
-                row[kind] = row.get(kind, 0.0) + float(st.get("seconds") or 0.0)
+                row[kind] = row.get(kind, 0.0) + float(st.get("seconds_total", st.get("seconds")) or 0.0)
                 continue
             u: dict[str, Any] = {"stage": where + name, "status": status, "attempt": attempts}
-            if status == "running":
-                u["status"] = "running" if live else "stopped"
-                u["seconds"] = round(max(0.0, now - float(st.get("started", now))), 1) if live else None
+            before = float(st.get("seconds_before") or 0.0)
+            if status == "running" and live:  # all attempts so far, this one to now
+                u["seconds"] = round(before + max(0.0, now - float(st.get("started", now))), 1)
+            elif status == "running":  # its process died: to its last heartbeat
+                u["status"] = "stopped"
+                hb = _read_json(man.parent / HEARTBEATS / (name.replace("/", "__") + ".json"))
+                u["seconds"] = round(before + attempt_seconds(st, hb), 1)
             else:
-                u["seconds"] = st.get("seconds")
+                u["seconds"] = st.get("seconds_total", st.get("seconds"))
                 u["error"] = st.get("error")
             unfinished.append(u)
     order = ["BC"] + sorted((r for r in rows if r.startswith("iter ")), key=lambda r: int(r.split()[1])) + ["compare"]
@@ -365,7 +371,7 @@ def stage_times_markdown(times: dict[str, Any]) -> str:
 
 def _unfinished_text(u: dict[str, Any]) -> str:
     what = f"{u['stage']}: {u['status']} (attempt {u['attempt']}"
-    if u["status"] == "running" and u.get("seconds") is not None:
+    if u.get("seconds"):
         what += f", {u['seconds'] / 60:.1f} min so far"
     what += ")"
     if u["status"] == "stopped":

@@ -5,7 +5,10 @@ Layout::
     RUN/
       config.yaml          resolved EvolveConfig (written once; a resume must match it)
       plan.sh              the equivalent shell commands
-      manifest.json        one entry per stage: status, inputs, outputs, config hash, timings, metrics
+      manifest.json        one entry per stage: status, inputs, outputs, config hash, timings (``seconds``:
+                           the last attempt, ``seconds_total``: all of them), metrics
+      .heartbeats/         a running stage's last sign of life (every HEARTBEAT_S), for the time of a
+                           killed attempt
       metrics.jsonl        one line per stage event (losses, scores, environment steps)
       base_model/          (tiny model when the preset builds one)
       expert.parquet
@@ -34,6 +37,20 @@ from qevolve_cli.envs.splits import STAGE_ENV
 from qevolve_cli.errors import QevolveError
 
 MANIFEST = "manifest.json"
+HEARTBEATS = ".heartbeats"  # RUN/.heartbeats/<stage>.json: the last sign of life of a running stage
+HEARTBEAT_S = 30.0
+
+
+def attempt_seconds(prev: dict[str, Any], heartbeat: dict[str, Any] | None) -> float:
+    """Seconds the last recorded attempt of a stage ran, for the total over its attempts: a failed or
+    interrupted attempt recorded its own; one killed with its process (still ``running``) counts to its last
+    heartbeat (``{"attempt": n, "time": t}``, at most HEARTBEAT_S old when it died), 0 without one."""
+    status = prev.get("status")
+    if status in ("failed", "interrupted"):
+        return float(prev.get("seconds") or 0.0)
+    if status == "running" and heartbeat and heartbeat.get("attempt") == prev.get("attempts"):
+        return max(0.0, float(heartbeat["time"]) - float(prev.get("started", heartbeat["time"])))
+    return 0.0
 
 
 class RunDir:
@@ -83,24 +100,33 @@ class RunDir:
             return st.get("metrics", {})
         prev = self.stages.get(name, {})
         attempt = int(prev.get("attempts", 0)) + 1
+        hb_path = self.path / HEARTBEATS / (name.replace("/", "__") + ".json")
+        # seconds of the earlier attempts: ``seconds`` is this attempt's, ``seconds_total`` all of them
+        before = float(prev.get("seconds_before") or 0.0) + attempt_seconds(prev, _read_json(hb_path))
         self.stages[name] = {
             "stage": name, "iteration": iteration, "status": "running", "inputs": inputs, "outputs": outputs,
             "config_hash": config_hash, "started": time.time(), "attempts": attempt,
         }
+        if before:
+            self.stages[name]["seconds_before"] = round(before, 3)
         self.save()
         echo(f"[run]  {name}" + (f" (attempt {attempt}, resuming)" if attempt > 1 else ""))
         t0 = time.perf_counter()
         outer = os.environ.get(STAGE_ENV)
         os.environ[STAGE_ENV] = name  # split-access logs name the stage (envs/splits.py, SPLIT_LOG_ENV)
+        stop = _heartbeat(hb_path, attempt)
         try:
             metrics = fn() or {}
         except BaseException as e:
+            secs = time.perf_counter() - t0
             st = self.stages[name]
             st.update(status="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                      error=str(e).splitlines()[0] if str(e) else type(e).__name__, seconds=time.perf_counter() - t0)
+                      error=str(e).splitlines()[0] if str(e) else type(e).__name__, seconds=secs,
+                      seconds_total=round(before + secs, 3))
             self.save()
             raise
         finally:
+            stop()
             if outer is None:
                 os.environ.pop(STAGE_ENV, None)
             else:
@@ -108,12 +134,48 @@ class RunDir:
         missing = [o for o in outputs if not (self.path / o).exists()]
         if missing:
             raise QevolveError(f"stage {name!r} finished without writing {', '.join(missing)}")
+        secs = time.perf_counter() - t0
         st = self.stages[name]
-        st.update(status="done", finished=time.time(), seconds=round(time.perf_counter() - t0, 3), metrics=metrics)
+        st.update(status="done", finished=time.time(), seconds=round(secs, 3), seconds_total=round(before + secs, 3),
+                  metrics=metrics)
         st.pop("error", None)
         self.save()
+        for f in [hb_path, *hb_path.parent.glob(f".{hb_path.name}.*.tmp")]:  # and what a kill left mid-write
+            f.unlink(missing_ok=True)
         self.log({"stage": name, "iteration": iteration, "seconds": st["seconds"], **_flat(metrics)})
         return metrics
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _heartbeat(path: Path, attempt: int) -> Callable[[], None]:
+    """Write ``{"attempt", "time"}`` to ``path`` every HEARTBEAT_S seconds from a daemon thread until the
+    returned function is called: if the process is killed, the next attempt knows how long this one ran."""
+    import threading
+
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            try:
+                write_json(path, {"attempt": attempt, "time": time.time()})
+            except OSError:  # a full disk must not stop the stage: the total just undercounts
+                pass
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = threading.Thread(target=beat, name=f"heartbeat {path.stem}", daemon=True)
+    t.start()
+
+    def stop() -> None:
+        done.set()
+        t.join()
+
+    return stop
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -148,3 +148,22 @@ def test_selection_reads_no_test_split(tmp_path):
     r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--set", "rft_candidates=[{}]",
                     "--out", tmp_path / "c2", "--quiet", timeout=300, env=env)
     assert r.returncode == 2 and "rft_candidates': 1 candidates but the run chose" in r.stderr
+
+
+def test_below_start_warns_when_every_step_from_the_start_lost_on_validation():
+    """ETO trains from the SFT policy: when its best candidate scores more than 10 points under SFT on the same
+    validation tasks (lamps-habit seed 2: 40.0 against 77.5), the grid steps too far and compare says so."""
+    from qevolve_cli.evolve.select import below_start
+
+    def sel(vals, chosen):
+        return {"candidates": [{"tag": f"c{i}", "val_avg_reward": v} for i, v in enumerate(vals)], "chosen_index": chosen}
+
+    sft = sel([0.575, 0.775, 0.725], 1)
+    msg = below_start("ETO", sel([0.075, 0.40, 0.375], 1), sft, "eto_candidates")
+    assert msg.startswith("every ETO candidate scored below the policy it starts from on validation (best 40.0 vs "
+                          "77.5): its grid (eto_candidates) steps too far") and "--set 'eto_candidates=[" in msg
+    assert below_start("ETO", sel([0.825, 0.525, 0.825], 0), sft, "eto_candidates") is None  # ETO above SFT
+    assert below_start("ETO", sel([0.676], 0), sft, "eto_candidates") is None  # within 10 points
+    assert below_start("ETO", sel([0.674], 0), sft, "eto_candidates") is not None
+    assert below_start("ETO", sel([None], 0), sft, "eto_candidates") is None  # nothing scored
+    assert below_start("ETO", sel([0.1], 0), None, "eto_candidates") is None  # the run chose no SFT

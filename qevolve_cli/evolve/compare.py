@@ -44,7 +44,7 @@ from qevolve_cli.evolve.compare_table import (  # noqa: F401 - mean_se, paired_b
     selection_text,
     table_markdown,
 )
-from qevolve_cli.evolve.select import DEFAULT_BC_CANDIDATES, DEFAULT_ETO_CANDIDATES, check_grid
+from qevolve_cli.evolve.select import DEFAULT_BC_CANDIDATES, DEFAULT_ETO_CANDIDATES, below_start, check_grid
 
 ARMS = ("zero_shot", "sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
 ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
@@ -282,6 +282,9 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
         selections["eto"] = select(crun, "eto", ccfg.eto_config(ecfg), ccfg.eto_candidates, eto_train, v_cfg,
                                    val_tasks, iteration=1, inputs=data + [str(bc)], echo=echo)
         policies["eto"] = cdir / selections["eto"]["policy"]
+        if warn := below_start("ETO", selections["eto"], selections.get("sft"), "eto_candidates"):
+            selections["eto"]["warning"] = warn
+            echo(f"compare: warning: {warn}")
     elif "eto" in ccfg.arms:
         d_cfg = ccfg.eto_config(ecfg)
 

@@ -119,15 +119,14 @@ def stage_seconds(run: Path) -> dict | None:
     session of a resumed seed, and every attempt of a stage resumed after a kill (``seconds_total``; manifests
     made before 2026-11-28 hold the last attempt only; ``resumed_stages``: how many stages took more than one).
     None when either manifest is missing."""
-    out: dict = {"resumed_stages": 0}
-    for key, man in (("evolve_stage_s", run / "manifest.json"), ("compare_stage_s", run / "compare" / "manifest.json")):
-        if not man.is_file():
-            return None
-        stages = json.loads(man.read_text()).get("stages", {}).values()
-        out[key] = round(sum(float(s.get("seconds_total", s.get("seconds")) or 0.0) for s in stages
-                             if s.get("status") == "done"), 1)
-        out["resumed_stages"] += sum(1 for s in stages if int(s.get("attempts", 1)) > 1)
-    return out
+    from qevolve_cli.evolve.report import stage_times
+
+    if not ((run / "manifest.json").is_file() and (run / "compare" / "manifest.json").is_file()):
+        return None
+    t = stage_times(run)  # `qevolve report`'s sums: per row (BC, iter k, compare), finished stages only
+    compare_s = sum(r["total"] for r in t["rows"] if r["name"] == "compare")
+    return {"resumed_stages": len(t["resumed"]), "evolve_stage_s": round(t["total_s"] - compare_s, 1),
+            "compare_stage_s": round(compare_s, 1)}
 
 
 def cost_markdown(env: str, seeds: list[int], times: dict) -> str:

@@ -308,7 +308,7 @@ def stage_times(run: Path, now: float | None = None) -> dict[str, Any]:
     (a killed process: ``--resume`` continues), failed or interrupted, with their error."""
     import time
 
-    from qevolve_cli.evolve.rundir import HEARTBEATS, _read_json, attempt_seconds
+    from qevolve_cli.evolve.rundir import attempt_seconds, heartbeat_path, read_json
     from qevolve_cli.lock import RUN_DIR_LOCK, is_locked
 
     now = time.time() if now is None else now
@@ -339,7 +339,7 @@ def stage_times(run: Path, now: float | None = None) -> dict[str, Any]:
                 u["seconds"] = round(before + max(0.0, now - float(st.get("started", now))), 1)
             elif status == "running":  # its process died: to its last heartbeat
                 u["status"] = "stopped"
-                hb = _read_json(man.parent / HEARTBEATS / (name.replace("/", "__") + ".json"))
+                hb = read_json(heartbeat_path(man.parent, name))
                 u["seconds"] = round(before + attempt_seconds(st, hb), 1)
             else:
                 u["seconds"] = st.get("seconds_total", st.get("seconds"))

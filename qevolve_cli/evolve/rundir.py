@@ -41,6 +41,11 @@ HEARTBEATS = ".heartbeats"  # RUN/.heartbeats/<stage>.json: the last sign of lif
 HEARTBEAT_S = 30.0
 
 
+def heartbeat_path(run_dir: Path, stage: str) -> Path:
+    """Where a stage of the run directory writes its heartbeat (``iter_1/critic`` -> ``.heartbeats/iter_1__critic.json``)."""
+    return Path(run_dir) / HEARTBEATS / (stage.replace("/", "__") + ".json")
+
+
 def attempt_seconds(prev: dict[str, Any], heartbeat: dict[str, Any] | None) -> float:
     """Seconds the last recorded attempt of a stage ran, for the total over its attempts: a failed or
     interrupted attempt recorded its own; one killed with its process (still ``running``) counts to its last
@@ -100,9 +105,9 @@ class RunDir:
             return st.get("metrics", {})
         prev = self.stages.get(name, {})
         attempt = int(prev.get("attempts", 0)) + 1
-        hb_path = self.path / HEARTBEATS / (name.replace("/", "__") + ".json")
+        hb_path = heartbeat_path(self.path, name)
         # seconds of the earlier attempts: ``seconds`` is this attempt's, ``seconds_total`` all of them
-        before = float(prev.get("seconds_before") or 0.0) + attempt_seconds(prev, _read_json(hb_path))
+        before = float(prev.get("seconds_before") or 0.0) + attempt_seconds(prev, read_json(hb_path))
         self.stages[name] = {
             "stage": name, "iteration": iteration, "status": "running", "inputs": inputs, "outputs": outputs,
             "config_hash": config_hash, "started": time.time(), "attempts": attempt,
@@ -146,7 +151,7 @@ class RunDir:
         return metrics
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):

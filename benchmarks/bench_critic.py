@@ -11,6 +11,16 @@ epoch for each layout, and the speed-up (target >= 5x).
 
     python benchmarks/bench_critic.py            # 16 trajectories x 14 steps
     python benchmarks/bench_critic.py --quick    # 6 trajectories
+
+``--value-forward-ab`` measures ``schedule: both`` (the presets') with the value adapter's two forwards per batch
+(V(s') for the Q update, V(s) for the V update) against the one shared forward the trainer runs since
+2026-11-28: each arm twice, interleaved, each run in a fresh process (its own peak RSS), the critic stage of
+``--preset`` (cpu: the tiny model; cpu-smol: SmolLM2-135M-Instruct with LoRA r 16 on all linear layers) on
+an environment's expert trajectories (``--data lamps``: the train split's first ``--trajectories``) or the
+synthetic table. It reports each arm's better epoch time, the speed-up, and whether the trained weights agree:
+
+    python benchmarks/bench_critic.py --value-forward-ab --data lamps-habit --trajectories 24
+    python benchmarks/bench_critic.py --value-forward-ab --preset cpu-smol --data lamps --trajectories 8
 """
 from __future__ import annotations
 
@@ -78,6 +88,72 @@ def run_layout(model_dir: Path, df, per_step: bool, batch_size: int, epochs: int
     }
 
 
+def expert_table(env: str, n: int, path: Path) -> Path:
+    """The first ``n`` expert trajectories of ``env``'s train split, labelled (the critic's input)."""
+    from qevolve_cli import schema
+    from qevolve_cli.envs.expert import collect_expert
+    from qevolve_cli.labeling import LabelConfig, label_tables
+
+    schema.write_table(collect_expert(env, "train", limit=n, workers=1), path.with_suffix(".raw.parquet"),
+                       producer="bench_critic")
+    label_tables([path.with_suffix(".raw.parquet")], path, LabelConfig())
+    return path
+
+
+def _one_arm(model: str, data: str, preset: str, share: bool, threads: int, q) -> None:
+    """One epoch of the preset's critic on ``data`` in this (fresh) process -> q: seconds, counts, peak RSS, and a
+    checksum of the trained value and q adapters."""
+    import resource
+
+    import torch
+
+    torch.set_num_threads(threads)
+    from qevolve_cli import schema
+    from qevolve_cli.critic.config import load_critic_config
+    from qevolve_cli.critic.data import attach_targets, build_items
+    from qevolve_cli.critic.model import CriticModel
+    from qevolve_cli.critic.trainer import CriticTrainer
+    from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
+
+    cfg = load_critic_config(None, preset, {"epochs": 1, "schedule": "both", "device": "cpu", "dtype": "float32",
+                                            "checkpoint_every_steps": 0, "heldout_fraction": 0.0,
+                                            "share_value_forward": share})
+    df = schema.read_table(data)
+    tok = load_tokenizer(model)
+    items = build_items(df, tok, cfg.max_length)
+    attach_targets(items, df, cfg)
+    critic = CriticModel.create(model, cfg)
+    tr = CriticTrainer(critic, cfg, items, pad_id_of(tok))
+    m = tr.run_epoch(0)
+    sums = {a: float(sum(p.detach().double().abs().sum() for _, p in critic.adapter_params(a))) for a in ("value", "q")}
+    q.put({"share_value_forward": share, "seconds": m["seconds"], "transitions_per_s": round(m["transitions_per_s"], 2),
+           "forward_calls": m["forward_calls"], "loss_q": m["loss_q"], "loss_v": m["loss_v"],
+           "adapter_abs_sums": sums, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
+
+
+def value_forward_ab(a, model: Path, data: Path) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for share in (False, True, False, True):  # interleaved, twice: the machine's load drifts
+        q = ctx.Queue()
+        p = ctx.Process(target=_one_arm, args=(str(model), str(data), a.preset, share, a.threads, q))
+        p.start()
+        r = q.get()
+        p.join()
+        runs[share].append(r)
+        print(f"share_value_forward={share}: {r['seconds']:.1f} s, {r['peak_rss_mib']} MiB", file=sys.stderr, flush=True)
+    best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
+    return {"two_forwards": best[False], "shared_forward": best[True],
+            "speedup": round(best[False]["seconds"] / best[True]["seconds"], 3),
+            "seconds_runs": {"two_forwards": [r["seconds"] for r in runs[False]],
+                             "shared_forward": [r["seconds"] for r in runs[True]]},
+            "same_weights": all(r["adapter_abs_sums"] == runs[False][0]["adapter_abs_sums"]
+                                for r in runs[True] + runs[False]),
+            "same_losses": len({(r["loss_q"], r["loss_v"]) for r in runs[True] + runs[False]}) == 1}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="6 trajectories instead of 16")
@@ -87,7 +163,37 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on shared machines)")
     ap.add_argument("--model", type=Path, default=None, help="existing model directory (default: build the tiny one)")
+    ap.add_argument("--value-forward-ab", action="store_true",
+                    help="schedule both: two value forwards per batch vs the shared one (see the doc)")
+    ap.add_argument("--preset", default="cpu", help="with --value-forward-ab: the critic stage of this preset "
+                                                     "(cpu: tiny model; cpu-smol: SmolLM2 + LoRA)")
+    ap.add_argument("--data", default="synthetic", help="with --value-forward-ab: synthetic or an environment's "
+                                                         "expert trajectories (lamps, lamps-habit, textcraft, ...)")
     a = ap.parse_args()
+    if a.value_forward_ab:
+        with tempfile.TemporaryDirectory() as tmp:
+            if a.preset == "cpu-smol":
+                from qevolve_cli.models.pretrained import init_pretrained
+
+                model, _, _ = init_pretrained("smollm2-135m-instruct", Path(tmp) / "model")
+                name = "SmolLM2-135M-Instruct"
+            else:
+                from qevolve_cli.models.tiny import create_tiny_model
+
+                model, name = create_tiny_model(Path(tmp) / "tiny", arch="llama", size="tiny", seed=0), "tiny llama"
+            n = a.trajectories or 16
+            if a.data == "synthetic":
+                data = Path(tmp) / "data.parquet"
+                from qevolve_cli import schema
+
+                schema.write_table(fixed_length_table(n, a.steps), data, producer="bench_critic")
+            else:
+                data = expert_table(a.data, n, Path(tmp) / "data.parquet")
+            print(json.dumps({"benchmark": "critic_value_forward_ab", "device": "cpu", "model": name,
+                              "preset": a.preset, "data": a.data, "trajectories": n, "threads": a.threads,
+                              "loadavg_start": os.getloadavg(), **value_forward_ab(a, model, data),
+                              "loadavg_end": os.getloadavg()}))
+        return
     import torch
 
     torch.set_num_threads(a.threads)

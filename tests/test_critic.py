@@ -389,7 +389,7 @@ def test_time_input_feeds_the_step_index_to_the_heads(tiny_model_dir, tmp_path):
 
     plain = CriticConfig(**SMALL)
     d = dataclasses.asdict(plain)
-    d.pop("time_input"), d.pop("time_scale")
+    d.pop("time_input"), d.pop("time_scale"), d.pop("share_value_forward")  # every field added since
     assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() != plain.hash() and CriticConfig(**SMALL, time_scale=8.0).hash() != plain.hash()
 
@@ -413,3 +413,35 @@ def test_activation_checkpointing_on_cpu_changes_nothing_and_does_not_warn(tiny_
                     score_table(df, tmp_path / f"c{gc}", device="cpu")["value"].to_numpy())
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-4)
     assert np.allclose(runs[True][1], runs[False][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("layout,gc", [("padded", False), ("per_sequence", False), ("per_sequence", True)])
+def test_schedule_both_shares_one_value_forward_exactly(tiny_model_dir, layout, gc):
+    """Under schedule both, the Q update's V(s') and the V update's V(s) come from one value forward (3 forwards per
+    batch, not 4): every weight after two epochs is bit-equal to the two-forward path, and so is every metric, with
+    activation checkpointing too (its backward recomputes the value forward after the q and q_target forwards).
+    The option is left out of the config hash at its default (runs made before it resume)."""
+    df = labelled(n_traj=6, mean_steps=3, seed=5)
+    cfg = CriticConfig(**SMALL, epochs=2, lr=1e-2, batch_size=2, schedule="both", ema_every=1, batch_layout=layout,
+                       gradient_checkpointing=gc)
+    tok = load_tokenizer(tiny_model_dir)
+    items = build_items(df, tok)
+    attach_targets(items, df, cfg)
+    runs = {}
+    for share in (True, False):
+        c = CriticModel.create(tiny_model_dir, cfg)
+        tr = CriticTrainer(c, cfg.replace(share_value_forward=share), items, pad_id_of(tok))
+        ms = [tr.run_epoch(e) for e in range(cfg.epochs)]
+        runs[share] = ({n: p.detach().clone() for n, p in c.named_parameters()}, ms)
+    (w_shared, m_shared), (w_two, m_two) = runs[True], runs[False]
+    assert w_shared.keys() == w_two.keys()
+    moved = [n for n in w_shared if ".value." in n and "lora_B" in n]
+    assert moved and all(w_shared[n].abs().sum() > 0 for n in moved)  # the value adapter did train
+    assert all(torch.equal(w_shared[n], w_two[n]) for n in w_shared), \
+        [n for n in w_shared if not torch.equal(w_shared[n], w_two[n])][:3]
+    assert cfg.hash() == cfg.replace(share_value_forward=True).hash() != cfg.replace(share_value_forward=False).hash()
+    n_batches = 3  # 6 trajectories / batch 2
+    for a, b in zip(m_shared, m_two, strict=True):
+        assert {k: v for k, v in a.items() if "forward" not in k and "seconds" not in k and "per_s" not in k} == \
+               {k: v for k, v in b.items() if "forward" not in k and "seconds" not in k and "per_s" not in k}
+        assert (a["forward_calls"], b["forward_calls"]) == (3 * n_batches, 4 * n_batches)

@@ -92,8 +92,9 @@ def test_critic_reproduces_tabular_iql(tiny_model_dir, tmp_path):
     summary = train_critic(cfg, df, tiny_model_dir, tmp_path / "critic")
     first, last = summary["metrics"][0], summary["metrics"][-1]
     assert last["td_error"] < first["td_error"]
-    # two backbone forwards per update, one row per trajectory (3 trajectories, one batch)
-    assert last["forward_rows"] == 2 * 3 * (last["q_updates"] + last["v_updates"])
+    # schedule both: three backbone forwards per batch (value, q, q_target), one row per trajectory (3 trajectories,
+    # one batch)
+    assert last["q_updates"] == last["v_updates"] == 1 and last["forward_rows"] == 3 * 3
 
     sc = score_table(df, tmp_path / "critic", device="cpu")
     got = {(r["traj_id"], r["step"]): (r["value"], r["q_value"] - r["value"]) for r in sc.iter_rows(named=True)}

@@ -373,11 +373,11 @@ def epoch_metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_epoch_metrics(got: list[dict], ref: list[dict], rtol: float) -> None:
+def assert_same_epoch_metrics(got: list[dict], ref: list[dict], rtol: float, updates: int = 2) -> None:
     """Per-epoch metrics equal (timings aside): every update of every epoch counted once."""
     assert [m["epoch"] for m in got] == [m["epoch"] for m in ref] == [1, 2]
     for g, r in zip(got, ref, strict=True):
-        assert g["q_updates"] + g["v_updates"] == r["q_updates"] + r["v_updates"] == 2
+        assert g["q_updates"] + g["v_updates"] == r["q_updates"] + r["v_updates"] == updates
         for k in ("loss_q", "loss_v", "mean_q", "mean_v", "mean_y", "td_error", "transitions", "lr_q", "lr_v"):
             assert g[k] == pytest.approx(r[k], rel=rtol, abs=1e-6), k
         for k in ("bellman_q", "ev_return", "auc_v"):
@@ -418,6 +418,24 @@ def test_critic_zero2_killed_and_resumed_equals_uninterrupted_single_process(cri
     df = schema.read_table(critic_runs / "lab.parquet")
     sc = score_table(df, critic_runs / "z2", device="cpu")
     assert np.isfinite(sc["value"].to_numpy()).all() and np.isfinite(sc["q_value"].to_numpy()).all()
+
+
+@pytest.mark.timeout(300)
+def test_critic_schedule_both_under_zero2_on_two_ranks_equals_one_process(critic_runs, tiny_model_dir, tmp_path):
+    """``schedule: both`` (the CPU presets'): each batch's V update backpropagates the value forward that gave the
+    Q update its V(s'), after the Q branch's engine has stepped. Under ZeRO-2 on two ranks (one engine per branch)
+    that ends with the adapters, heads and per-epoch metrics of the one-process run."""
+    from safetensors.torch import load_file
+
+    args = ["--data", critic_runs / "lab.parquet", "--model", tiny_model_dir, *CRITIC, "--set", "schedule=both"]
+    qevolve_here("critic", *args, "--out", tmp_path / "plain")
+    runs = two_nodes("critic", *args, "--out", tmp_path / "z2", "--set", f"deepspeed={ZERO2}")
+    assert [p.returncode for p in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+    for f in CRITIC_FILES:
+        assert_same_tensors(load_file(str(tmp_path / "z2" / f)), load_file(str(tmp_path / "plain" / f)), f, atol=1e-5)
+    got, ref = epoch_metrics(tmp_path / "z2"), epoch_metrics(tmp_path / "plain")
+    assert_same_epoch_metrics(got, ref, rtol=1e-5, updates=4)
+    assert [m["forward_calls"] for m in ref] == [3 * 2, 3 * 2]  # 2 batches an epoch, 3 forwards each
 
 
 @pytest.mark.timeout(300)

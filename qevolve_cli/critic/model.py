@@ -252,8 +252,9 @@ class CriticModel(nn.Module):
         # PeftModel -> LoraModel -> *ForCausalLM -> its base transformer (no LM head: no vocab-size logits)
         return self.backbone.base_model.model.base_model
 
-    def hidden(self, adapter: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Last hidden states (B, L, d) of the backbone with one adapter active."""
+    def activate(self, adapter: str) -> None:
+        """Make ``adapter`` the active one (a no-op when it is). A backward that recomputes activations
+        (gradient checkpointing) runs the forward again with the adapter active at that time."""
         if adapter not in ADAPTERS:
             raise ValueError(f"unknown adapter {adapter!r}")
         if self._active != adapter:
@@ -262,6 +263,10 @@ class CriticModel(nn.Module):
             self._active = adapter
             if self._trainable:
                 self._fix_grads()
+
+    def hidden(self, adapter: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states (B, L, d) of the backbone with one adapter active."""
+        self.activate(adapter)
         out = self._decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.last_hidden_state
 

@@ -21,7 +21,11 @@ Read top to bottom:
    (phi_v, g_v).
 
 Each update runs exactly two forwards of the backbone per batch row (one per
-adapter), whatever the number of steps in the row.
+adapter), whatever the number of steps in the row. Under ``schedule: both`` a
+batch runs three, not four: the Q update's V(s') and the V update's V(s) come
+from ONE forward of the value adapter (with gradients; the V update backpropagates
+it after the Q step), which is exact because the Q step does not change the
+value adapter (:meth:`CriticTrainer.value_states`).
 
 Beside it: ``optim.py`` (one optimiser and LR schedule per branch, the
 DeepSpeed backend), ``heldout.py`` (held-out split and diagnostics).
@@ -92,11 +96,25 @@ class CriticTrainer:
         self.n = 0  # optimisation steps so far (Q and V together)
 
     # ---------------------------------------------------------------- updates
-    def q_update(self, b) -> dict[str, float]:
-        c, cfg = self.critic, self.cfg
+    def value_states(self, b) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE forward of the value adapter, with gradients -> (pooled states of s (B, K, d), still in the
+        graph; V(s') (B, K), detached). For ``schedule: both``: the Q update takes V(s') from it and the V
+        update, after the Q step, backpropagates V(s) through it. Both equal what their own forwards
+        would give, since the Q step and the EMA change only the Q and q_target adapters and heads.
+        (With LoRA dropout on, the two read one dropout draw instead of two.)"""
+        c = self.critic
+        h_s, h_next = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s, b.pos_next)
         with torch.no_grad():
-            (h_next,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_next)
-            v_next = c.head("v", h_next, c.next_time(b.t))
+            v_next = c.head("v", h_next.detach(), c.next_time(b.t))
+        return h_s, v_next
+
+    def q_update(self, b, v_next: torch.Tensor | None = None) -> dict[str, float]:
+        """``v_next``: V(s') from :meth:`value_states`; None runs the value forward here (no grad)."""
+        c, cfg = self.critic, self.cfg
+        if v_next is None:
+            with torch.no_grad():
+                (h_next,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_next)
+                v_next = c.head("v", h_next, c.next_time(b.t))
         (h_sa,) = c.pooled("q", b.input_ids, b.attention_mask, b.pos_sa)
         q1, q2 = c.head("q1", h_sa, b.t), c.head("q2", h_sa, b.t)
         y = td_target(b.reward, b.done, v_next, cfg.gamma)
@@ -108,12 +126,17 @@ class CriticTrainer:
             return {"loss_q": float(loss.detach()), "mean_q": float(0.5 * (q1 + q2)[m].mean()),
                     "td_error": float(td[m].mean()), "mean_y": float(y[m].mean())}
 
-    def v_update(self, b) -> dict[str, float]:
+    def v_update(self, b, h_s: torch.Tensor | None = None) -> dict[str, float]:
+        """``h_s``: the value adapter's pooled states of s from :meth:`value_states` (in the graph); None runs
+        the value forward here."""
         c, cfg = self.critic, self.cfg
         with torch.no_grad():
             (h_sa,) = c.pooled("q_target", b.input_ids, b.attention_mask, b.pos_sa)
             qt1, qt2 = c.head("q1_target", h_sa, b.t), c.head("q2_target", h_sa, b.t)
-        (h_s,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s)
+        if h_s is None:
+            (h_s,) = c.pooled("value", b.input_ids, b.attention_mask, b.pos_s)
+        else:
+            c.activate("value")  # the backward below may recompute the value forward (gradient checkpointing)
         v = c.head("v", h_s, b.t)
         loss = critic_v_loss(v, qt1, qt2, b.weight, b.step_mask, cfg.expectile, cfg.reduction)
         self.v.step(loss * self.loss_scale)
@@ -164,13 +187,20 @@ class CriticTrainer:
                 self.loss_scale = self.world * share
             b = collate(self.items, picks, self.pad_id, self.device, per_step=self.per_step)
             kinds = ["q", "v"] if cfg.schedule == "both" else ["q" if self.n % 2 == 0 else "v"]
+            h_s = v_next = None
+            forwards = 2
+            if len(kinds) == 2 and cfg.share_value_forward:
+                h_s, v_next = self.value_states(b)
+                counts["forward_calls"] += 1
+                counts["forward_rows"] += b.input_ids.shape[0]
+                forwards = 1  # each update adds its other adapter's forward
             for kind in kinds:
-                stats = self.q_update(b) if kind == "q" else self.v_update(b)
+                stats = self.q_update(b, v_next) if kind == "q" else self.v_update(b, h_s)
                 if self.world > 1:
                     stats = self._reduce_stats(stats, share, step_share)
                 counts[f"{kind}_updates"] += 1
-                counts["forward_calls"] += 2
-                counts["forward_rows"] += 2 * b.input_ids.shape[0]
+                counts["forward_calls"] += forwards
+                counts["forward_rows"] += forwards * b.input_ids.shape[0]
                 counts["transitions"] += batch_steps
                 for k, v in stats.items():
                     sums.setdefault(k, []).append(v)

@@ -36,6 +36,17 @@ actions is reported), and success. Target (issue 31): best arm >= 4x the fp32 re
     nice -n 10 python benchmarks/bench_rollout.py --model smollm2            # 8 tasks, ~15 min on 2 cores
     nice -n 10 python benchmarks/bench_rollout.py --model smollm2 --arms fp32_reuse,bf16_reuse
 
+``--model smollm2 --shared-prefix-ab`` measures the ``hf`` backend's shared first-prompt prefix (``KVStore.put_shared``:
+an episode's first prompt starts from the common prefix of the last prompt prefilled from nothing, the system prompt
+and in-context example): greedy eval of ``--policy`` on the first ``--tasks`` (16) lamps ``test_seen`` tasks (or
+best-of-N sampling with ``--best-of N``), the cpu-smol setting (32 live episodes, 2 threads, ``dtype: auto``),
+sharing off and on, twice each, interleaved, on one warm pool and one loaded model. It reports CPU seconds and
+wall time per env step, computed prompt tokens per step, the speed-up of the better run of each arm, and whether
+greedy actions agree.
+
+    python benchmarks/bench_rollout.py --model smollm2 --shared-prefix-ab --tasks 16 [--dtype float32]
+    python benchmarks/bench_rollout.py --model smollm2 --shared-prefix-ab --tasks 8 --best-of 4
+
 ``--model smollm2 --backends hf_one,hf_batched,vllm`` (issue 28) compares generation backends on a real model:
 greedy eval of ``--policy`` (a SmolLM2 directory, or a LoRA policy of ``--preset cpu-smol`` such as a run's
 ``bc/policy``) on the first ``--tasks`` (16) lamps ``test_seen`` tasks, fp32, each arm in its own process (its
@@ -193,6 +204,62 @@ def smollm2(args) -> None:
             result["arms"][a]["actions_identical_to_" + b] = actions[a] == actions[b]
     result["best_speedup"] = max(r["speedup"] or 0 for r in result["arms"].values())
     result["target_4x_met"] = result["best_speedup"] >= 4.0
+    result["loadavg_end"] = os.getloadavg()
+    print(json.dumps(result))
+
+
+def smol_shared_ab(args) -> None:
+    """--model smollm2 --shared-prefix-ab: first prompts from the shared entry (KVStore.put_shared) or not, twice each,
+    interleaved, on one warm pool; greedy eval (or best-of-N sampling with --best-of N) of --policy."""
+    from qevolve_cli.envs.pool import EnvPool
+    from qevolve_cli.rollout.backends import make_backend
+    from qevolve_cli.rollout.config import RolloutConfig
+    from qevolve_cli.rollout.evaluate import run_eval
+
+    policy = ensure_smol(Path(args.smol_dir)) if args.policy == SMOL_DIR else Path(args.policy)
+    n_tasks = args.tasks or 16
+    cfg = RolloutConfig(env="lamps", split="test_seen", max_tasks=n_tasks, device="cpu", eval_temperature=0.0,
+                        temperature=0.6, workers=2, envs_per_worker=16, lanes=1, threads=2, max_new_tokens=40,
+                        seed=0, dtype=args.dtype)
+    from qevolve_cli.rollout.backends import split_adapter
+
+    base, adapter = split_adapter(policy, None)
+    result: dict = {"benchmark": "rollout_shared_prefix", "model": "SmolLM2-135M-Instruct", "policy": str(policy),
+                    "env": "lamps", "split": "test_seen", "tasks": n_tasks, "best_of": args.best_of,
+                    "loadavg_start": os.getloadavg(), "runs": []}
+    actions: dict[bool, list] = {False: [], True: []}
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-shared-") as td, \
+            EnvPool("lamps", workers=cfg.workers, envs_per_worker=cfg.envs_per_worker) as pool:
+        backend = make_backend("hf", base, adapter=adapter, device="cpu", dtype=cfg.dtype,
+                               max_context=cfg.max_context, max_new_tokens=cfg.max_new_tokens,
+                               batch_size=cfg.gen_batch_size, threads=cfg.threads, kv_reuse=True,
+                               kv_cache_mb=cfg.kv_cache_mb)
+        run_eval(cfg.replace(max_tasks=2), policy, Path(td) / "warm.parquet", backend=backend, pool=pool)  # untimed
+        for i, share in enumerate((False, True, False, True)):
+            backend.kv.counts = dict.fromkeys(backend.kv.counts, 0)
+            backend.kv.shared, backend.kv.shared_min = None, (10**9 if not share else 32)
+            out = Path(td) / f"{i}.parquet"
+            t0, c0 = time.perf_counter(), time.process_time()
+            m = run_eval(cfg, policy, out, backend=backend, pool=pool, best_of=args.best_of)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            st, be = m["stats"], dict(backend.kv.counts)
+            steps = max(1, st["steps"])
+            r = {"shared_prefix": share, "dtype": backend.dtype, "env_steps": st["steps"], "wall_s": round(wall, 1),
+                 "steps_per_s": round(st["steps"] / wall, 3), "cpu_s_per_step": round(cpu / steps, 3),
+                 "prompt_tokens_per_step": round(be["prompt_tokens"] / steps, 1),
+                 "computed_prompt_tokens_per_step": round(be["prefill_tokens"] / steps, 1),
+                 "kv": {k: v for k, v in be.items() if k.startswith("kv_")},
+                 "success_rate": m["success_rate"]}
+            result["runs"].append(r)
+            actions[share].append(episode_actions(out))
+            print(f"shared={share}: {json.dumps(r)}", file=sys.stderr, flush=True)
+        backend.close()
+    best = {s: min((r for r in result["runs"] if r["shared_prefix"] is s), key=lambda r: r["cpu_s_per_step"])
+            for s in (False, True)}
+    result["cpu_speedup"] = round(best[False]["cpu_s_per_step"] / best[True]["cpu_s_per_step"], 3)
+    result["wall_speedup"] = round(best[True]["steps_per_s"] / best[False]["steps_per_s"], 3)
+    result["actions_equal"] = {"off_vs_off": actions[False][0] == actions[False][1],
+                               "on_vs_off": action_agreement(actions[False][0], actions[True][0])}
     result["loadavg_end"] = os.getloadavg()
     print(json.dumps(result))
 
@@ -370,6 +437,11 @@ def main() -> None:
     ap.add_argument("--policy", default=SMOL_DIR,
                     help="--backends: the policy (a model directory or a LoRA policy directory; the default is "
                     "SmolLM2 itself, converted there when missing)")
+    ap.add_argument("--shared-prefix-ab", action="store_true",
+                    help="--model smollm2: first prompts from the shared KV entry or not (see the doc)")
+    ap.add_argument("--best-of", type=int, default=1, help="--shared-prefix-ab: N sampled episodes per task")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="--shared-prefix-ab: the model's weights (auto: bf16 on CPUs with native bf16)")
     ap.add_argument("--one-arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smaller size (8 tasks x 4 steps)")
@@ -393,6 +465,9 @@ def main() -> None:
         return
     if args.model == "smollm2" and args.one_arm:
         smol_backend_arm(args)
+        return
+    if args.model == "smollm2" and args.shared_prefix_ab:
+        smol_shared_ab(args)
         return
     if args.model == "smollm2" and args.backends:
         smol_backends(args)

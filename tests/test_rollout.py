@@ -496,6 +496,57 @@ def test_kv_prefill_from_cache_matches_full_prefill(react_model_dir: Path) -> No
         assert k1.shape == k0.shape and torch.allclose(k1, k0, atol=1e-4) and torch.allclose(v1, v0, atol=1e-4)
 
 
+def test_kv_store_first_prompts_start_from_the_shared_entry() -> None:
+    """An episode without a kept cache reuses the common prefix of the last prompt prefilled from nothing (the
+    shared entry) when it is at least SHARED_MIN_TOKENS long; its own kept cache comes first; no key, no sharing."""
+    import torch
+
+    from qevolve_cli.rollout.backends.hf import SHARED_MIN_TOKENS, KVStore
+
+    def kv(n: int) -> list:
+        return [(torch.full((1, 1, n, 4), float(n)), torch.zeros(1, 1, n, 4)) for _ in range(2)]
+
+    head = list(range(SHARED_MIN_TOKENS))
+    st = KVStore(cap_bytes=1 << 20)
+    a = [*head, 100, 101]
+    assert st.lookup("a", a) == (0, None) and st.counts["kv_new"] == 1  # nothing shared yet
+    st.put_shared(a, kv(len(a)))
+    n, layers = st.lookup("b", [*head, 200])  # a new episode: the system prompt and example come from "a"
+    assert n == SHARED_MIN_TOKENS and layers is st.shared[1] and st.counts["kv_shared"] == 1
+    assert st.lookup("c", [*head[:-1], 7, 7])[0] == 0  # one token short of the minimum: a full prefill
+    assert st.lookup("d", a)[0] == len(a) - 1  # the same prompt (best-of-N's samples): its last token computed
+    assert st.lookup(None, a)[0] == 0  # no key (kv_reuse off): nothing kept, nothing shared
+    st.put("e", a[:5], kv(5))
+    assert st.lookup("e", a)[0] == 5 and st.counts["kv_hits"] == 1  # the episode's own cache comes first
+    c = st.counts
+    assert (c["kv_new"], c["kv_shared"]) == (3, 2)
+    # a: all; b: its last token; c: all; d: its last token; None: all; e: past its own 5
+    assert c["prefill_tokens"] == len(a) + 1 + (len(head) + 1) + 1 + len(a) + (len(a) - 5)
+    assert st.bytes == 2 * 2 * 5 * 16  # the shared entry is held beside the capped entries
+
+
+def test_kv_prefill_from_the_shared_entry_matches_full_prefill(react_model_dir: Path) -> None:
+    """A first prompt prefilled from another task's (the shared entry's) common prefix gives the logits and keys/values
+    of its own full prefill (tolerance 1e-4, float32)."""
+    import torch
+
+    from qevolve_cli.rollout.backends import HFBackend
+
+    b = HFBackend(react_model_dir, max_new_tokens=8, threads=1)
+    sys_msg = {"role": "system", "content": "You craft items in Minecraft. " * 12}
+    ids_a = b.prompt_ids([sys_msg, {"role": "user", "content": "Craft a wooden planks. Inventory: oak log."}])
+    ids_b = b.prompt_ids([sys_msg, {"role": "user", "content": "Craft a stick. Inventory: oak planks, oak planks."}])
+    with torch.inference_mode():
+        b._prefill(ids_a, "task a")  # fresh: becomes the shared entry
+        part_logits, part_kv = b._prefill(ids_b, "task b")
+        full_logits, full_kv = b._prefill(ids_b, None)
+    n = b.kv.counts["prefill_tokens"] - len(ids_a) - len(ids_b)  # computed for task b from the shared entry
+    assert b.kv.counts["kv_shared"] == 1 and 0 < n < len(ids_b) / 2
+    assert torch.allclose(part_logits, full_logits, atol=1e-4, rtol=0)
+    for (k0, v0), (k1, v1) in zip(full_kv, part_kv, strict=True):
+        assert k1.shape == k0.shape and torch.allclose(k1, k0, atol=1e-4) and torch.allclose(v1, v0, atol=1e-4)
+
+
 @pytest.mark.parametrize("env", ["lamps", "textcraft"])
 def test_kv_reuse_keeps_greedy_actions(react_model_dir: Path, tmp_path: Path, env: str) -> None:
     """Greedy rollouts with the KV cache kept across environment steps play exactly the actions of
@@ -520,7 +571,9 @@ def test_kv_reuse_keeps_greedy_actions(react_model_dir: Path, tmp_path: Path, en
     steps = runs[True][2]
     assert steps > len(tasks)  # episodes went on past their first step
     assert off["prefill_tokens"] == off["prompt_tokens"] and off["kv_hits"] + off["kv_partial"] == 0
-    assert on["prompt_tokens"] == off["prompt_tokens"] and on["kv_new"] == len(tasks)
+    # the first episode prefills its whole prompt; the others start from its common prefix (system prompt, example)
+    assert on["prompt_tokens"] == off["prompt_tokens"] and (on["kv_new"], on["kv_shared"]) == (1, len(tasks) - 1)
+    assert off["kv_shared"] == 0
     assert on["kv_hits"] + on["kv_partial"] == steps - len(tasks) and on["kv_fallbacks"] == 0
     assert on["prefill_tokens"] < off["prefill_tokens"] / 2
     assert not be.kv.entries and be.kv.bytes == 0  # every episode ended: its cache was dropped

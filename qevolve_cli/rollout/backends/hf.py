@@ -126,7 +126,9 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 KV_COUNTERS = ("prompts", "prompt_tokens", "prefill_tokens", "kv_hits", "kv_partial", "kv_fallbacks", "kv_new",
-               "kv_evictions", "generated_tokens")
+               "kv_shared", "kv_evictions", "generated_tokens")
+#: fewest tokens an episode without a cache must share with the last fresh prompt to start from its cache
+SHARED_MIN_TOKENS = 32
 
 
 class KVStore:
@@ -143,9 +145,16 @@ class KVStore:
     * ``kv_partial``: they share a shorter prefix (the cache is cut there; e.g. the model's own
       tokens for its action differ from the re-tokenised action, or the transcript was shortened);
     * ``kv_fallbacks``: an entry exists but shares no token: a full re-prefill;
-    * ``kv_new``: no entry (an episode's first step, an evicted entry, reuse off): a full prefill.
+    * ``kv_shared``: no entry, but the prompt shares at least :data:`SHARED_MIN_TOKENS` leading tokens with
+      the **shared entry** (:meth:`put_shared`: the last prompt prefilled without any cache): those are
+      reused. An episode's first prompt is the system prompt, the in-context example and the task
+      (455 of 495 tokens are common to two lamps tasks with SmolLM2's template), and the N samples of
+      one task (best-of-N, ``n_per_task``) start from the same prompt, so most first steps compute
+      only what differs;
+    * ``kv_new``: no entry and nothing shared (the first episode, reuse off): a full prefill.
 
-    Entries beyond ``cap_bytes`` are evicted least recently used first (``kv_evictions``).
+    Entries beyond ``cap_bytes`` are evicted least recently used first (``kv_evictions``); the shared
+    entry (one prompt's keys and values) is held beside them.
     """
 
     def __init__(self, cap_bytes: int):
@@ -155,6 +164,8 @@ class KVStore:
         self.entries: OrderedDict[Any, tuple[list[int], list[tuple[Any, Any]], int]] = OrderedDict()
         self.bytes = 0
         self.counts = dict.fromkeys(KV_COUNTERS, 0)
+        self.shared: tuple[list[int], list[tuple[Any, Any]]] | None = None
+        self.shared_min = SHARED_MIN_TOKENS  # a benchmark's baseline sets it out of reach
 
     def lookup(self, key: Any, ids: Sequence[int]) -> tuple[int, list[tuple[Any, Any]] | None]:
         """(positions to reuse, per-layer keys/values) for a prompt ``ids`` of episode ``key``;
@@ -163,6 +174,12 @@ class KVStore:
         self.counts["prompt_tokens"] += len(ids)
         ent = self.entries.get(key) if key is not None else None
         if ent is None:
+            if key is not None and self.shared is not None:
+                n = min(common_prefix_len(self.shared[0], ids), len(ids) - 1)
+                if n >= self.shared_min:
+                    self.counts["kv_shared"] += 1
+                    self.counts["prefill_tokens"] += len(ids) - n
+                    return n, self.shared[1]
             self.counts["kv_new"] += 1
             self.counts["prefill_tokens"] += len(ids)
             return 0, None
@@ -189,6 +206,10 @@ class KVStore:
             self.counts["kv_evictions"] += 1
         self.entries[key] = (list(ids), layers, nbytes)
         self.bytes += nbytes
+
+    def put_shared(self, ids: list[int], layers: list[tuple[Any, Any]]) -> None:
+        """Keep ``layers`` (computed on ``ids`` from no cache) as the shared entry, replacing the last one."""
+        self.shared = (list(ids), layers)
 
     def drop(self, key: Any) -> None:
         ent = self.entries.pop(key, None)
@@ -352,7 +373,10 @@ class HFBackend(Backend):
         if past is None:
             out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=dev), use_cache=True,
                              logits_to_keep=1)
-            return out.logits[0, -1].float(), [(k, v) for k, v, *_ in _out_cache(out)]
+            layers = [(k, v) for k, v, *_ in _out_cache(out)]
+            if self.kv_reuse and key is not None:
+                self.kv.put_shared(ids, layers)  # later episodes' first prompts start from its common prefix
+            return out.logits[0, -1].float(), layers
         cap = len(ids)
         bufs = []
         for k, v in past:

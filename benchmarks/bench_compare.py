@@ -52,12 +52,14 @@ def evolve_config(env: str, preset: str, seed: int, iters: int, select: bool, ev
                                        "select_on_validation": select})
 
 
-def compare_config(env: str, best_of: int, select: bool, run: Path):
+def compare_config(env: str, best_of: int, select: bool, run: Path, add_arms: tuple[str, ...] = ()):
     """The comparison of one seed: the default rows for the run's environment and base model (`compare`'s own:
-    no oracle-V row without a solver, no zero-shot row for a randomly initialised base)."""
-    from qevolve_cli.evolve.compare import CompareConfig, default_arms
+    no oracle-V row without a solver, no zero-shot row for a randomly initialised base), plus ``add_arms`` (rows
+    only made when named, such as rft_2), in the table's order."""
+    from qevolve_cli.evolve.compare import ARMS, CompareConfig, default_arms
 
-    return CompareConfig(arms=default_arms(env, run / "base_model"), best_of=best_of, select_on_validation=select)
+    arms = set(default_arms(env, run / "base_model")) | set(add_arms)
+    return CompareConfig(arms=[a for a in ARMS if a in arms], best_of=best_of, select_on_validation=select)
 
 
 def finished_table(run: Path, cfg, ccfg) -> dict | None:
@@ -84,8 +86,13 @@ def kept_table(path: Path, cfg, ccfg) -> dict | None:
     if not path.is_file():
         return None
     kept = json.loads(path.read_text())
-    # the arms come from the run's base model, which may be gone: compare everything else
+    # the arms come from the run's base model, which may be gone: compare everything else; a row asked for
+    # (--add-arms) that the kept table lacks makes the seed run again (its finished stages are kept)
     if kept.get("evolve_hash") != cfg.hash() or kept.get("compare_hash") != ccfg.replace(arms=kept["arms"]).hash():
+        return None
+    from qevolve_cli.evolve.compare import DEFAULT_ARMS
+
+    if {a for a in ccfg.arms if a not in DEFAULT_ARMS} - set(kept["arms"]):
         return None
     return kept["table"]
 
@@ -141,13 +148,17 @@ def cost_markdown(env: str, seeds: list[int], times: dict) -> str:
     return f"**{env}**, cost summed over the stages of each seed: " + "; ".join(cells) + "\n"
 
 
+REFS = {"rft": "RFT", "sft": "SFT", "rft_2": "RFT (2 rounds)"}  # the paired differences: every arm minus each
+
+
 def summarize(tables: list[dict], n_boot: int) -> dict:
     """Per arm: mean / s.e. over seeds of every column and of the held-out tasks together; paired bootstrap
     intervals of the arm minus RFT and minus SFT on the same tasks."""
     from qevolve_cli.evolve.compare import mean_se, paired_bootstrap
 
     cols = tables[0]["columns"]
-    arms = [r["arm"] for r in tables[0]["rows"]]
+    # the rows every seed has (a row added with --add-arms to some seeds only is left out until all have it)
+    arms = [r["arm"] for r in tables[0]["rows"] if all(r["arm"] in {x["arm"] for x in t["rows"]} for t in tables)]
     by = [{r["arm"]: r for r in t["rows"]} for t in tables]
 
     def tasks_of(row, col):
@@ -164,8 +175,8 @@ def summarize(tables: list[dict], n_boot: int) -> dict:
                 vals.append(sum(pt.values()) / len(pt) if pt else float("nan"))
             m, se = mean_se(vals)
             c: dict = {"mean": round(m, 4), "se": round(se, 4), "per_seed": [round(v, 4) for v in vals]}
-            for ref in ("rft", "sft"):
-                if ref == arm or ref not in by[0]:
+            for ref in REFS:
+                if ref == arm or ref not in by[0] or ref not in arms:
                     continue
                 diffs = []
                 for b in by:
@@ -184,8 +195,10 @@ def summarize(tables: list[dict], n_boot: int) -> dict:
 
 
 def markdown(env: str, seeds: list[int], summary: dict, columns: list[str]) -> str:
-    """Two tables: mean ± s.e. per column (per-seed values in brackets); paired 95 % intervals vs RFT and SFT."""
+    """Two tables: mean ± s.e. per column (per-seed values in brackets); paired 95 % intervals vs RFT and SFT (and
+    RFT with two rounds, where the seeds have that row)."""
     cols = columns + [HELD_OUT]
+    refs = [r for r in REFS if any(f"minus_{r}" in s["columns"][cols[0]] for s in summary.values())]
 
     def pct(x):
         return f"{100 * x:.1f}"
@@ -198,11 +211,11 @@ def markdown(env: str, seeds: list[int], summary: dict, columns: list[str]) -> s
         name = f"*{s['method']}*" if s["oracle"] else s["method"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"**{env}**: paired difference x100 [bootstrap 95 % interval], same tasks and seeds", "",
-              "| method | " + " | ".join(f"{c} − RFT" for c in cols) + " | " + " | ".join(f"{c} − SFT" for c in cols)
-              + " |", "|---|" + "---|" * (2 * len(cols))]
+              "| method | " + " | ".join(f"{c} − {REFS[r]}" for r in refs for c in cols) + " |",
+              "|---|" + "---|" * (len(refs) * len(cols))]
     for s in summary.values():
         cells = []
-        for ref in ("rft", "sft"):
+        for ref in refs:
             for c in cols:
                 d = s["columns"][c].get(f"minus_{ref}")
                 cells.append("–" if d is None else f"{pct(d['mean'])} [{pct(d['lo'])}, {pct(d['hi'])}]")
@@ -275,6 +288,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training stages (1: seeds side by "
                                                            "side on the tiny model; 2 for --preset cpu-smol, whose "
                                                            "rollouts also take 2: rollout.threads).")
+    ap.add_argument("--add-arms", nargs="+", default=[], choices=["rft_2"],
+                    help="Rows made only when named: rft_2 (RFT again on its own rollouts, the control for Q-Evolve's "
+                         "second iteration). Seeds kept without it run again; their finished stages are kept.")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     select = not a.no_select
@@ -295,7 +311,7 @@ def main() -> None:
             run = root / f"{env}-{a.preset}-s{seed}"
             cfg = evolve_config(env, a.preset, seed, a.iters, select, a.eval_max_tasks)
             kept = a.keep_tables / f"{env}-{a.preset}-s{seed}.json" if a.keep_tables else None
-            ccfg = compare_config(env, a.best_of, select, run)
+            ccfg = compare_config(env, a.best_of, select, run, tuple(a.add_arms))
             table = kept_table(kept, cfg, ccfg) if kept else None
             from_kept = table is not None
             table = table or finished_table(run, cfg, ccfg)
@@ -303,7 +319,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 run_evolve(cfg, run, resume=True, echo=echo, quiet=not a.verbose)
                 t1 = time.perf_counter()
-                ccfg = compare_config(env, a.best_of, select, run)  # the base model exists now
+                ccfg = compare_config(env, a.best_of, select, run, tuple(a.add_arms))  # the base model exists now
                 table = run_compare(run, ccfg, resume=True, echo=echo, quiet=not a.verbose)
                 times[seed] = {"evolve_s": round(t1 - t0, 1), "compare_s": round(time.perf_counter() - t1, 1)}
             # the cost, from the run directory when it holds this very comparison

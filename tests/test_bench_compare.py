@@ -29,6 +29,35 @@ def test_kept_table_is_read_back_for_the_same_configuration_only(bc, tmp_path):
     assert bc.kept_table(kept, bc.evolve_config("lamps-habit", "cpu", 1, 2, True, 0), ccfg) is None  # another seed
     assert bc.kept_table(kept, bc.evolve_config("lamps-habit", "cpu", 0, 1, True, 0), ccfg) is None  # one iteration
     assert bc.kept_table(kept, cfg, bc.compare_config("lamps-habit", 4, True, run)) is None  # Best-of-4
+    # --add-arms rft_2: the kept table lacks the row, so the seed runs again; once kept with it, both read it
+    with_rft2 = bc.compare_config("lamps-habit", 6, True, run, ("rft_2",))
+    assert with_rft2.arms.index("rft_2") == with_rft2.arms.index("rft") + 1  # in the table's order
+    assert bc.kept_table(kept, cfg, with_rft2) is None
+    bc.keep_table(kept, cfg, with_rft2.replace(arms=[*finished_with.arms[:2], "rft_2", *finished_with.arms[2:]]),
+                  table, {"evolve_s": 1.0})
+    assert bc.kept_table(kept, cfg, with_rft2) == table and bc.kept_table(kept, cfg, ccfg) == table
+
+
+def test_summary_pairs_every_arm_with_rft_2_where_every_seed_has_it(bc):
+    """Paired differences against RFT, SFT and, where every seed has the row, RFT with two rounds (hand cases: two
+    seeds of two tasks); a row only some seeds have is left out of the summary."""
+    def row(arm, r1, r2):
+        return {"arm": arm, "method": arm.upper(), "oracle": False, "self_play_steps": 0, "eval_steps": 0,
+                "per_task": {"e/test": {"a": r1, "b": r2}}}
+
+    t0 = {"columns": ["e/test"], "rows": [row("sft", 0, 0), row("rft", 1, 0), row("rft_2", 1, 1), row("qevolve", 1, 1)]}
+    t1 = {"columns": ["e/test"], "rows": [row("sft", 0, 1), row("rft", 0, 1), row("rft_2", 0, 0), row("qevolve", 1, 1)]}
+    s = bc.summarize([t0, t1], n_boot=200)
+    q = s["qevolve"]["columns"]["e/test"]
+    assert q["minus_rft"]["mean"] == pytest.approx(0.5) and q["minus_sft"]["mean"] == pytest.approx(0.75)
+    assert q["minus_rft_2"]["mean"] == pytest.approx(0.5)  # (0 + 0 + 1 + 1) / 4
+    assert "minus_rft_2" not in s["rft_2"]["columns"]["e/test"]
+    md = bc.markdown("e", [0, 1], s, ["e/test"])
+    assert "| e/test − RFT (2 rounds) |" in md and "| QEVOLVE | " in md
+    t1["rows"] = [r for r in t1["rows"] if r["arm"] != "rft_2"]  # a seed without the row
+    s = bc.summarize([t0, t1], n_boot=200)
+    assert "rft_2" not in s and "minus_rft_2" not in s["qevolve"]["columns"]["e/test"]
+    assert "RFT (2 rounds)" not in bc.markdown("e", [0, 1], s, ["e/test"])
 
 
 def test_budget_cell_names_every_stage_and_its_candidates(bc):

@@ -99,7 +99,8 @@ def test_zero_shot_row_is_the_base_model_untrained(run, compared, tmp_path):
     """The zero-shot row evaluates the run's base model with the same eval config, trained on nothing; it is
     left out of the default rows only for a base initialised at random (the run's tiny model) and runs when
     named."""
-    from qevolve_cli.evolve.compare import ARMS, default_arms
+    from qevolve_cli.evolve.compare import DEFAULT_ARMS as ARMS  # rft_2 is a row only when named
+    from qevolve_cli.evolve.compare import default_arms
     from qevolve_cli.models import random_init
 
     assert random_init(run / "base_model") and "zero_shot" not in [r["arm"] for r in compared["rows"]]
@@ -150,6 +151,41 @@ def test_compare_resumes_and_refuses_to_overwrite(run, compared):
     assert "[skip] rft (done)" in r.stderr and "[skip] eto (done)" in r.stderr and "[skip] oracle_v (done)" in r.stderr
     again = json.loads(r.stdout)
     assert again["rows"] == compared["rows"]  # greedy evaluation: the same score again
+
+
+def test_rft_2_rows_added_on_resume_are_rft_on_its_own_rollouts(run, compared, tmp_path):
+    """`rft_2` (named, not a default row): the RFT policy plays the train tasks with the run's iteration-2 rollout
+    config, then RFT from the base model on the expert table plus those rollouts' successes. Asked for on
+    --resume, the finished stages of the other rows are kept and compare.yaml records the new rows; rft_2
+    without rft is a one-line error."""
+    cp = tmp_path / "run"
+    shutil.copytree(run, cp)
+    r = run_qevolve("compare", "--run-dir", cp, "--resume", "--set", "arms=[sft, rft_2]", "--quiet", timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --set arms: rft_2 starts from the rft arm's policy: name rft too"], r.stderr
+    r = run_qevolve("compare", "--run-dir", cp, "--resume", "--set", "arms=[sft, rft, rft_2]", "--json", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compare: rows sft, rft, eto, best_of_n, qevolve, qevolve_oracle_v -> sft, rft, rft_2" in r.stderr
+    assert "[skip] rft (done)" in r.stderr and "[run]  rft_2/rollout" in r.stderr
+    t = json.loads(r.stdout)
+    rows = {x["arm"]: x for x in t["rows"]}
+    assert list(rows) == ["sft", "rft", "rft_2"] and rows["rft_2"]["method"] == "RFT (2 rounds)"
+    assert rows["rft"]["scores"] == {x["arm"]: x for x in compared["rows"]}["rft"]["scores"]  # kept, not re-run
+    roll = per_traj(cp / "compare" / "rft_2" / "rollout.parquet")
+    man = json.loads((cp / "compare" / "manifest.json").read_text())["stages"]
+    assert man["rft_2/rollout"]["inputs"] == [str(cp / "compare" / "rft" / "policy")]
+    n_tasks = per_traj(cp / "iter_1" / "rollout.parquet")["task_id"].n_unique()
+    assert roll["task_id"].n_unique() == n_tasks  # the train tasks of the run's rollouts
+    summary = json.loads((cp / "compare" / "rft_2" / "policy" / "train_summary.json").read_text())
+    expert = per_traj(cp / "expert.parquet")
+    assert summary["objective"] == "rft" and summary["model"] == str(cp / "base_model")
+    assert summary["data"] == f"{cp / 'expert.parquet'}, {cp / 'compare' / 'rft_2' / 'rollout.parquet'}"
+    assert summary["trajectories"] == expert.height + roll.filter(pl.col("reward") >= 1).height
+    steps = pl.read_parquet(cp / "iter_1" / "rollout.parquet").height
+    assert rows["rft_2"]["self_play_steps"] == steps + pl.read_parquet(cp / "compare" / "rft_2" / "rollout.parquet").height
+    import yaml
+
+    assert yaml.safe_load((cp / "compare" / "compare.yaml").read_text())["arms"] == ["sft", "rft", "rft_2"]
 
 
 def test_compare_bad_inputs_one_line_errors(run, tmp_path):

@@ -6,6 +6,10 @@ rollouts, its base model and BC policy, its evaluation settings) the arms are:
 * **SFT** = the run's BC policy (``bc/policy``);
 * **RFT** = ``policy --objective rft`` from the base model on the expert table
   plus the successful iteration-1 rollouts, with the run's BC settings;
+* **RFT (2 rounds)** (only when named in ``arms``) = RFT again: rollouts of the RFT policy on the train
+  tasks with the run's iteration-2 rollout config, then ``policy --objective rft`` from the base model
+  on the expert table plus their successes (iterated RFT, as ReST / ETO iterate): the control for
+  Q-Evolve's second iteration, which also plays a second round;
 * **ETO** = ``policy --objective dpo`` from the BC policy (also the frozen
   reference) on ETO pairs of the expert table and the iteration-1 rollouts,
   ETO's recipe scaled to the run (:meth:`CompareConfig.eto_config`);
@@ -46,19 +50,24 @@ from qevolve_cli.evolve.compare_table import (  # noqa: F401 - mean_se, paired_b
 )
 from qevolve_cli.evolve.select import DEFAULT_BC_CANDIDATES, DEFAULT_ETO_CANDIDATES, below_start, check_grid
 
-ARMS = ("zero_shot", "sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
+ARMS = ("zero_shot", "sft", "rft", "rft_2", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
+OPT_IN_ARMS = ("rft_2",)  # rows only when named in `arms` (not in the default list)
+DEFAULT_ARMS = tuple(a for a in ARMS if a not in OPT_IN_ARMS)
 ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
 ETO_NLL_WEIGHT = 1.0  # RPO (Pang et al. 2024) and TRL's rpo_alpha recommendation: DPO + 1.0 x NLL(chosen)
-ARM_NAMES = {"zero_shot": "Zero-shot (base model)", "sft": "SFT", "rft": "RFT", "eto": "ETO", "best_of_n": "Best-of-N",
+ARM_NAMES = {"zero_shot": "Zero-shot (base model)", "sft": "SFT", "rft": "RFT", "rft_2": "RFT (2 rounds)", "eto": "ETO",
+             "best_of_n": "Best-of-N",
              "qevolve": "Q-Evolve",
              "qevolve_oracle_v": "Q-Evolve (oracle V)"}
 
 
 @dataclass
 class CompareConfig(ConfigBase):
-    arms: list[str] = field(default_factory=lambda: list(ARMS), help="Rows of the table: zero_shot (the base model, "
+    arms: list[str] = field(default_factory=lambda: list(DEFAULT_ARMS), help="Rows of the table: zero_shot (the base model, "
                                                                       "no training; dropped from the default list "
                                                                       "for a randomly initialised base), sft, rft, "
+                                                                      "rft_2 (RFT again on its own rollouts: "
+                                                                      "only when named), "
                                                                       "eto, best_of_n, qevolve, qevolve_oracle_v "
                                                                       "(only where the environment has an exact "
                                                                       "solver: dropped from the default list "
@@ -93,6 +102,8 @@ class CompareConfig(ConfigBase):
                 raise ConfigError(source, prefix + "arms", f"unknown arm {a!r} (choose from {', '.join(ARMS)})")
         if not self.arms:
             raise ConfigError(source, prefix + "arms", "no arm to compare")
+        if "rft_2" in self.arms and "rft" not in self.arms:
+            raise ConfigError(source, prefix + "arms", "rft_2 starts from the rft arm's policy: name rft too")
         check_grid(self.rft_candidates, source, prefix + "rft_candidates")
         check_grid(self.eto_candidates, source, prefix + "eto_candidates")
 
@@ -122,7 +133,7 @@ def default_arms(env: str, base_model: str | Path) -> list[str]:
     from qevolve_cli.envs.oracle import has_solver
     from qevolve_cli.models import random_init
 
-    return [a for a in ARMS if (a != "qevolve_oracle_v" or has_solver(env))
+    return [a for a in DEFAULT_ARMS if (a != "qevolve_oracle_v" or has_solver(env))
             and (a != "zero_shot" or not random_init(base_model))]
 
 
@@ -184,7 +195,7 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     plan = Plan(ecfg, run)
     P = lambda rel: run / rel if not Path(rel).is_absolute() else Path(rel)  # noqa: E731
     expert, base, bc = P(plan.expert()), P(plan.base_model()), P(plan.policy(0))
-    if ccfg.arms == list(ARMS):  # the default list: only the rows that mean something for this run
+    if ccfg.arms == list(DEFAULT_ARMS):  # the default list: only the rows that mean something for this run
         ccfg = ccfg.replace(arms=default_arms(ecfg.env, base))
     elif "qevolve_oracle_v" in ccfg.arms and not has_solver(ecfg.env):  # named by the user: say why it cannot be
         raise QevolveError(f"arms: qevolve_oracle_v needs an exact solver, and {ecfg.env!r} has none (solvers: "
@@ -206,9 +217,13 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
             raise QevolveError(f"{cdir}: a comparison already exists here; pass --resume to continue it or choose "
                                "another --out")
         saved = CompareConfig.from_dict(yaml.safe_load(cc_path.read_text()) or {}, source=cc_path)
-        if saved.hash() != ccfg.hash():
+        # other rows may be asked for on resume (each arm's stages carry their own config hashes); nothing else
+        if saved.replace(arms=ccfg.arms).hash() != ccfg.hash():
             raise QevolveError(f"{cc_path}: the comparison was started with another configuration (hash "
                                f"{saved.hash()} != {ccfg.hash()}); resume with the same flags or choose another --out")
+        if saved.arms != ccfg.arms:
+            echo(f"compare: rows {', '.join(saved.arms)} -> {', '.join(ccfg.arms)} (the finished stages are kept)")
+            dump_yaml(ccfg, cc_path)
     else:
         cdir.mkdir(parents=True, exist_ok=True)
         dump_yaml(ccfg, cc_path)
@@ -264,6 +279,43 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
         crun.run_stage("rft", train_rft, inputs=data + [str(base)], outputs=["rft/policy"],
                        config_hash=r_cfg.hash(), iteration=1, echo=echo)
         policies["rft"] = cdir / "rft" / "policy"
+    rollout_2 = cdir / "rft_2" / "rollout.parquet"
+    if "rft_2" in ccfg.arms:
+        # round 2: the RFT policy plays the train tasks as Q-Evolve's iteration 2 does (its rollout config),
+        # then RFT from the base model on the expert table and those rollouts' successes
+        r2_roll = ecfg.stage("rollout", 2).replace(split="train")
+
+        def rft_rollout(r2_roll=r2_roll):
+            from qevolve_cli.rollout.loop import run_rollout
+
+            res = run_rollout(r2_roll, policies["rft"], rollout_2, resume=True, producer="qevolve compare: rft_2")
+            return {"trajectories": res.table["traj_id"].n_unique(), "env_steps": res.table.height}
+
+        crun.run_stage("rft_2/rollout", rft_rollout, inputs=[str(policies["rft"])], outputs=["rft_2/rollout.parquet"],
+                       config_hash=r2_roll.hash(), iteration=2, echo=echo)
+        data_2 = [str(expert), str(rollout_2)]
+        if ccfg.select_on_validation:
+            from qevolve_cli.evolve.select import select
+
+            def rft2_train(c, out_dir):
+                from qevolve_cli.policy.trainer import train_policy
+
+                return train_policy(c, data_2, base, out_dir, quiet=quiet)
+
+            selections["rft_2"] = select(crun, "rft_2", ccfg.rft_config(ecfg), ccfg.rft_candidates, rft2_train,
+                                         v_cfg, val_tasks, iteration=2, inputs=data_2 + [str(base)], echo=echo)
+            policies["rft_2"] = cdir / selections["rft_2"]["policy"]
+        else:
+            r_cfg2 = ccfg.rft_config(ecfg)
+
+            def train_rft2():
+                from qevolve_cli.policy.trainer import train_policy
+
+                return _scalars(train_policy(r_cfg2, data_2, base, cdir / "rft_2" / "policy", quiet=quiet))
+
+            crun.run_stage("rft_2/train", train_rft2, inputs=data_2 + [str(base)], outputs=["rft_2/policy"],
+                           config_hash=r_cfg2.hash(), iteration=2, echo=echo)
+            policies["rft_2"] = cdir / "rft_2" / "policy"
     eto_note = None
     if "eto" in ccfg.arms and not (info := eto_pairs(ccfg.eto_config(ecfg), data))["pairs"]:
         # no task has a self trajectory whose final reward differs from its anchor's: no DPO step to take
@@ -363,7 +415,8 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for arm in ccfg.arms:
         results[arm] = {}
-        k = k_last if arm == "qevolve" else (1 if arm in ("rft", "eto", "qevolve_oracle_v") else 0)
+        k = k_last if arm == "qevolve" else (1 if arm in ("rft", "eto", "qevolve_oracle_v") else
+                                              2 if arm == "rft_2" else 0)
         for split in ecfg.eval_splits:
             e_cfg = eval_cfg(k, split)
             best_of = ccfg.best_of if arm == "best_of_n" else 1
@@ -399,7 +452,9 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     expert_steps = schema.read_table(expert, validate_rows=False).height
     rollout_steps = {k: schema.read_table(run / f"iter_{k}" / "rollout.parquet", validate_rows=False).height
                      for k in range(1, (k_last or 1) + 1) if (run / f"iter_{k}" / "rollout.parquet").exists()}
+    rft2_steps = schema.read_table(rollout_2, validate_rows=False).height if "rft_2" in ccfg.arms else 0
     self_steps = {"zero_shot": 0, "sft": 0, "best_of_n": 0, "rft": rollout_steps.get(1, 0), "eto": rollout_steps.get(1, 0),
+                  "rft_2": rollout_steps.get(1, 0) + rft2_steps,
                   "qevolve_oracle_v": rollout_steps.get(1, 0),
                   "qevolve": sum(rollout_steps.get(k, 0) for k in range(1, k_last + 1))}
     rows = []

@@ -257,28 +257,32 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     policies: dict[str, Path] = {"zero_shot": base, "sft": bc, "best_of_n": bc}
     if k_last:
         policies["qevolve"] = run / plan.policy(k_last)
-    if ccfg.select_on_validation and "rft" in ccfg.arms:
-        from qevolve_cli.evolve.select import select
 
-        def rft_train(c, out_dir):
-            from qevolve_cli.policy.trainer import train_policy
+    def rft_arm(prefix: str, stage: str, data_in: list[str], iteration: int) -> Path:
+        """RFT from the base model on ``data_in``: chosen on validation among rft_candidates (stages PREFIX/cand_*),
+        or the one configuration (stage ``stage``); returns the policy."""
+        from qevolve_cli.policy.trainer import train_policy
 
-            return train_policy(c, data, base, out_dir, quiet=quiet)
+        if ccfg.select_on_validation:
+            from qevolve_cli.evolve.select import select
 
-        selections["rft"] = select(crun, "rft", ccfg.rft_config(ecfg), ccfg.rft_candidates, rft_train, v_cfg,
-                                   val_tasks, iteration=1, inputs=data + [str(base)], echo=echo)
-        policies["rft"] = cdir / selections["rft"]["policy"]
-    elif "rft" in ccfg.arms:
+            def train(c, out_dir):
+                return train_policy(c, data_in, base, out_dir, quiet=quiet)
+
+            selections[prefix] = select(crun, prefix, ccfg.rft_config(ecfg), ccfg.rft_candidates, train, v_cfg,
+                                        val_tasks, iteration=iteration, inputs=data_in + [str(base)], echo=echo)
+            return cdir / selections[prefix]["policy"]
         r_cfg = ccfg.rft_config(ecfg)
 
-        def train_rft():
-            from qevolve_cli.policy.trainer import train_policy
+        def train_one():
+            return _scalars(train_policy(r_cfg, data_in, base, cdir / prefix / "policy", quiet=quiet))
 
-            return _scalars(train_policy(r_cfg, data, base, cdir / "rft" / "policy", quiet=quiet))
+        crun.run_stage(stage, train_one, inputs=data_in + [str(base)], outputs=[f"{prefix}/policy"],
+                       config_hash=r_cfg.hash(), iteration=iteration, echo=echo)
+        return cdir / prefix / "policy"
 
-        crun.run_stage("rft", train_rft, inputs=data + [str(base)], outputs=["rft/policy"],
-                       config_hash=r_cfg.hash(), iteration=1, echo=echo)
-        policies["rft"] = cdir / "rft" / "policy"
+    if "rft" in ccfg.arms:
+        policies["rft"] = rft_arm("rft", "rft", data, 1)
     rollout_2 = cdir / "rft_2" / "rollout.parquet"
     if "rft_2" in ccfg.arms:
         # round 2: the RFT policy plays the train tasks as Q-Evolve's iteration 2 does (its rollout config),
@@ -293,29 +297,7 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
 
         crun.run_stage("rft_2/rollout", rft_rollout, inputs=[str(policies["rft"])], outputs=["rft_2/rollout.parquet"],
                        config_hash=r2_roll.hash(), iteration=2, echo=echo)
-        data_2 = [str(expert), str(rollout_2)]
-        if ccfg.select_on_validation:
-            from qevolve_cli.evolve.select import select
-
-            def rft2_train(c, out_dir):
-                from qevolve_cli.policy.trainer import train_policy
-
-                return train_policy(c, data_2, base, out_dir, quiet=quiet)
-
-            selections["rft_2"] = select(crun, "rft_2", ccfg.rft_config(ecfg), ccfg.rft_candidates, rft2_train,
-                                         v_cfg, val_tasks, iteration=2, inputs=data_2 + [str(base)], echo=echo)
-            policies["rft_2"] = cdir / selections["rft_2"]["policy"]
-        else:
-            r_cfg2 = ccfg.rft_config(ecfg)
-
-            def train_rft2():
-                from qevolve_cli.policy.trainer import train_policy
-
-                return _scalars(train_policy(r_cfg2, data_2, base, cdir / "rft_2" / "policy", quiet=quiet))
-
-            crun.run_stage("rft_2/train", train_rft2, inputs=data_2 + [str(base)], outputs=["rft_2/policy"],
-                           config_hash=r_cfg2.hash(), iteration=2, echo=echo)
-            policies["rft_2"] = cdir / "rft_2" / "policy"
+        policies["rft_2"] = rft_arm("rft_2", "rft_2/train", [str(expert), str(rollout_2)], 2)
     eto_note = None
     if "eto" in ccfg.arms and not (info := eto_pairs(ccfg.eto_config(ecfg), data))["pairs"]:
         # no task has a self trajectory whose final reward differs from its anchor's: no DPO step to take

@@ -107,13 +107,14 @@ class RunDir:
         attempt = int(prev.get("attempts", 0)) + 1
         hb_path = heartbeat_path(self.path, name)
         # seconds of the earlier attempts: ``seconds`` is this attempt's, ``seconds_total`` all of them
-        before = float(prev.get("seconds_before") or 0.0) + attempt_seconds(prev, read_json(hb_path))
+        # (rounded as written, so that seconds_total is exactly seconds_before + seconds, as a reader adds them)
+        before = round(float(prev.get("seconds_before") or 0.0) + attempt_seconds(prev, read_json(hb_path)), 3)
         self.stages[name] = {
             "stage": name, "iteration": iteration, "status": "running", "inputs": inputs, "outputs": outputs,
             "config_hash": config_hash, "started": time.time(), "attempts": attempt,
         }
         if before:
-            self.stages[name]["seconds_before"] = round(before, 3)
+            self.stages[name]["seconds_before"] = before
         self.save()
         echo(f"[run]  {name}" + (f" (attempt {attempt}, resuming)" if attempt > 1 else ""))
         t0 = time.perf_counter()
@@ -123,7 +124,7 @@ class RunDir:
         try:
             metrics = fn() or {}
         except BaseException as e:
-            secs = time.perf_counter() - t0
+            secs = round(time.perf_counter() - t0, 3)
             st = self.stages[name]
             st.update(status="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
                       error=str(e).splitlines()[0] if str(e) else type(e).__name__, seconds=secs,
@@ -139,9 +140,9 @@ class RunDir:
         missing = [o for o in outputs if not (self.path / o).exists()]
         if missing:
             raise QevolveError(f"stage {name!r} finished without writing {', '.join(missing)}")
-        secs = time.perf_counter() - t0
+        secs = round(time.perf_counter() - t0, 3)
         st = self.stages[name]
-        st.update(status="done", finished=time.time(), seconds=round(secs, 3), seconds_total=round(before + secs, 3),
+        st.update(status="done", finished=time.time(), seconds=secs, seconds_total=round(before + secs, 3),
                   metrics=metrics)
         st.pop("error", None)
         self.save()

@@ -176,7 +176,7 @@ def summarize(tables: list[dict], n_boot: int) -> dict:
             m, se = mean_se(vals)
             c: dict = {"mean": round(m, 4), "se": round(se, 4), "per_seed": [round(v, 4) for v in vals]}
             for ref in REFS:
-                if ref == arm or ref not in by[0] or ref not in arms:
+                if ref == arm or ref not in arms:  # a reference every seed has
                     continue
                 diffs = []
                 for b in by:

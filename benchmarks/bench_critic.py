@@ -88,18 +88,6 @@ def run_layout(model_dir: Path, df, per_step: bool, batch_size: int, epochs: int
     }
 
 
-def expert_table(env: str, n: int, path: Path) -> Path:
-    """The first ``n`` expert trajectories of ``env``'s train split, labelled (the critic's input)."""
-    from qevolve_cli import schema
-    from qevolve_cli.envs.expert import collect_expert
-    from qevolve_cli.labeling import LabelConfig, label_tables
-
-    schema.write_table(collect_expert(env, "train", limit=n, workers=1), path.with_suffix(".raw.parquet"),
-                       producer="bench_critic")
-    label_tables([path.with_suffix(".raw.parquet")], path, LabelConfig())
-    return path
-
-
 def _one_arm(model: str, data: str, preset: str, share: bool, threads: int, q) -> None:
     """One epoch of the preset's critic on ``data`` in this (fresh) process -> q: seconds, counts, peak RSS, and a
     checksum of the trained value and q adapters."""
@@ -132,16 +120,12 @@ def _one_arm(model: str, data: str, preset: str, share: bool, threads: int, q) -
 
 
 def value_forward_ab(a, model: Path, data: Path) -> dict:
-    import multiprocessing as mp
+    # a fresh process per run (its own peak RSS); a child that dies ends the benchmark instead of hanging it
+    from benchmarks.bench_policy import _in_child
 
-    ctx = mp.get_context("spawn")
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for share in (False, True, False, True):  # interleaved, twice: the machine's load drifts
-        q = ctx.Queue()
-        p = ctx.Process(target=_one_arm, args=(str(model), str(data), a.preset, share, a.threads, q))
-        p.start()
-        r = q.get()
-        p.join()
+        r = _in_child(_one_arm, str(model), str(data), a.preset, share, a.threads)
         runs[share].append(r)
         print(f"share_value_forward={share}: {r['seconds']:.1f} s, {r['peak_rss_mib']} MiB", file=sys.stderr, flush=True)
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
@@ -187,8 +171,10 @@ def main() -> None:
                 from qevolve_cli import schema
 
                 schema.write_table(fixed_length_table(n, a.steps), data, producer="bench_critic")
-            else:
-                data = expert_table(a.data, n, Path(tmp) / "data.parquet")
+            else:  # the first n expert trajectories, labelled (bench_policy's; its random advantage goes unread)
+                from benchmarks.bench_policy import expert_data
+
+                data = expert_data(a.data, n, Path(tmp))
             print(json.dumps({"benchmark": "critic_value_forward_ab", "device": "cpu", "model": name,
                               "preset": a.preset, "data": a.data, "trajectories": n, "threads": a.threads,
                               "loadavg_start": os.getloadavg(), **value_forward_ab(a, model, data),

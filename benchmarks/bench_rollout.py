@@ -212,7 +212,8 @@ def smol_shared_ab(args) -> None:
     """--model smollm2 --shared-prefix-ab: first prompts from the shared entry (KVStore.put_shared) or not, twice each,
     interleaved, on one warm pool; greedy eval (or best-of-N sampling with --best-of N) of --policy."""
     from qevolve_cli.envs.pool import EnvPool
-    from qevolve_cli.rollout.backends import make_backend
+    from qevolve_cli.rollout.backends import make_backend, split_adapter
+    from qevolve_cli.rollout.backends.hf import SHARED_MIN_TOKENS
     from qevolve_cli.rollout.config import RolloutConfig
     from qevolve_cli.rollout.evaluate import run_eval
 
@@ -221,8 +222,6 @@ def smol_shared_ab(args) -> None:
     cfg = RolloutConfig(env="lamps", split="test_seen", max_tasks=n_tasks, device="cpu", eval_temperature=0.0,
                         temperature=0.6, workers=2, envs_per_worker=16, lanes=1, threads=2, max_new_tokens=40,
                         seed=0, dtype=args.dtype)
-    from qevolve_cli.rollout.backends import split_adapter
-
     base, adapter = split_adapter(policy, None)
     result: dict = {"benchmark": "rollout_shared_prefix", "model": "SmolLM2-135M-Instruct", "policy": str(policy),
                     "env": "lamps", "split": "test_seen", "tasks": n_tasks, "best_of": args.best_of,
@@ -237,7 +236,7 @@ def smol_shared_ab(args) -> None:
         run_eval(cfg.replace(max_tasks=2), policy, Path(td) / "warm.parquet", backend=backend, pool=pool)  # untimed
         for i, share in enumerate((False, True, False, True)):
             backend.kv.counts = dict.fromkeys(backend.kv.counts, 0)
-            backend.kv.shared, backend.kv.shared_min = None, (10**9 if not share else 32)
+            backend.kv.shared, backend.kv.shared_min = None, (SHARED_MIN_TOKENS if share else 10**9)
             out = Path(td) / f"{i}.parquet"
             t0, c0 = time.perf_counter(), time.process_time()
             m = run_eval(cfg, policy, out, backend=backend, pool=pool, best_of=args.best_of)

@@ -76,7 +76,9 @@ def finished_table(run: Path, cfg, ccfg) -> dict | None:
         return None
     if CompareConfig.from_dict(yaml.safe_load(cc.read_text()) or {}).hash() != ccfg.hash():
         return None
-    return json.loads(t.read_text())
+    table = json.loads(t.read_text())
+    # a table written before rows were added (by compare from before 2026-11-28) lacks them: not finished
+    return table if set(ccfg.arms) <= {r["arm"] for r in table["rows"]} else None
 
 
 def kept_table(path: Path, cfg, ccfg) -> dict | None:

@@ -38,6 +38,28 @@ def test_kept_table_is_read_back_for_the_same_configuration_only(bc, tmp_path):
     assert bc.kept_table(kept, cfg, with_rft2) == table and bc.kept_table(kept, cfg, ccfg) == table
 
 
+def test_finished_table_needs_every_row_of_the_comparison(bc, tmp_path):
+    """A run directory's table is a finished seed only when made with this configuration and holding every row
+    asked for: a table from before --add-arms rft_2 (compare.yaml already naming the row: a comparison stopped by
+    compare from before 2026-11-28) is not."""
+    from qevolve_cli.config import dump_yaml
+
+    run = tmp_path / "lamps-habit-cpu-s0"
+    (run / "compare").mkdir(parents=True)
+    cfg = bc.evolve_config("lamps-habit", "cpu", 0, 2, True, 0)
+    ccfg = bc.compare_config("lamps-habit", 6, True, run, ("rft_2",))
+    dump_yaml(cfg, run / "config.yaml")
+    dump_yaml(ccfg, run / "compare" / "compare.yaml")
+    rows = [{"arm": a} for a in ccfg.arms if a != "rft_2"]
+    (run / "compare" / "table.json").write_text(json.dumps({"rows": rows}))
+    assert bc.finished_table(run, cfg, ccfg) is None  # the rft_2 row is missing
+    assert bc.finished_table(run, cfg, bc.compare_config("lamps-habit", 6, True, run)) is None  # other arms: hash
+    rows.append({"arm": "rft_2"})
+    (run / "compare" / "table.json").write_text(json.dumps({"rows": rows}))
+    assert bc.finished_table(run, cfg, ccfg) == {"rows": rows}
+    assert bc.finished_table(run, bc.evolve_config("lamps-habit", "cpu", 1, 2, True, 0), ccfg) is None  # seed
+
+
 def test_summary_pairs_every_arm_with_rft_2_where_every_seed_has_it(bc):
     """Paired differences against RFT, SFT and, where every seed has the row, RFT with two rounds (hand cases: two
     seeds of two tasks); a row only some seeds have is left out of the summary."""

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-from tests.conftest import run_qevolve
+from tests.conftest import ROOT, qevolve_env, run_qevolve
 
 pytestmark = pytest.mark.slow
 
@@ -163,10 +166,24 @@ def test_rft_2_rows_added_on_resume_are_rft_on_its_own_rollouts(run, compared, t
     r = run_qevolve("compare", "--run-dir", cp, "--resume", "--set", "arms=[sft, rft_2]", "--quiet", timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: --set arms: rft_2 starts from the rft arm's policy: name rft too"], r.stderr
+    # stopped as soon as compare.yaml names the new rows: the old table (without them) is gone with it, so
+    # nothing reads the stopped run as a finished comparison of these rows
+    cmd = [sys.executable, "-m", "qevolve_cli", "compare", "--run-dir", str(cp), "--resume", "--set",
+           "arms=[sft, rft, rft_2]", "--json"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=qevolve_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    cc, deadline = cp / "compare" / "compare.yaml", time.monotonic() + 300
+    while "rft_2" not in cc.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    running = proc.poll() is None
+    proc.kill()
+    _, err = proc.communicate()
+    assert running, err[-3000:]
+    assert "compare: rows sft, rft, eto, best_of_n, qevolve, qevolve_oracle_v -> sft, rft, rft_2" in err
+    assert not (cp / "compare" / "table.json").exists() and not (cp / "compare" / "table.md").exists()
     r = run_qevolve("compare", "--run-dir", cp, "--resume", "--set", "arms=[sft, rft, rft_2]", "--json", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compare: rows sft, rft, eto, best_of_n, qevolve, qevolve_oracle_v -> sft, rft, rft_2" in r.stderr
-    assert "[skip] rft (done)" in r.stderr and "[run]  rft_2/rollout" in r.stderr
+    assert "[skip] rft (done)" in r.stderr and "rft_2/rollout" in r.stderr
     t = json.loads(r.stdout)
     rows = {x["arm"]: x for x in t["rows"]}
     assert list(rows) == ["sft", "rft", "rft_2"] and rows["rft_2"]["method"] == "RFT (2 rounds)"

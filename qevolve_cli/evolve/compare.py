@@ -223,6 +223,10 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
                                f"{saved.hash()} != {ccfg.hash()}); resume with the same flags or choose another --out")
         if saved.arms != ccfg.arms:
             echo(f"compare: rows {', '.join(saved.arms)} -> {', '.join(ccfg.arms)} (the finished stages are kept)")
+            # the old table describes the old rows: gone before compare.yaml names the new ones, so a run
+            # stopped in between never leaves a table that a reader would take for this comparison's
+            for stale in ("table.json", "table.md"):
+                (cdir / stale).unlink(missing_ok=True)
             dump_yaml(ccfg, cc_path)
     else:
         cdir.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,12 @@ model, BC policy and evaluation settings):
   Best-of-N  the BC policy, N = 6 sampled trajectories per task, the best by
              final env reward: an ORACLE upper bound, not a deployable method
   Q-Evolve   the run's last evaluated iteration (earlier iterations: rows too)
+  Q-Evolve (oracle V)  where the env has an exact solver (lamps, lamps-hard,
+             lamps-habit): iteration 1's policy step on the exact values
+  RFT (2 rounds)  only when named (arms=[..., rft, rft_2]): the RFT policy
+             plays the train tasks again, then RFT from the base model on
+             the expert table + those successes (the control for Q-Evolve's
+             second iteration)
 --select-on-validation: every trained arm is chosen among the same number of
 candidate settings on validation train tasks (never test); the run must be
 made with `evolve --select-on-validation` (docs/compare.md).
@@ -43,7 +49,8 @@ Every arm is evaluated on the run's eval splits with the run's eval config;
 evaluations the run already made with that config are reused. Prints one table
 (rows = methods, columns = env x split, average reward x100, plus env steps),
 writes RUN_DIR/compare/ (table.md, table.json, manifest.json); --resume
-continues an interrupted comparison.
+continues an interrupted comparison, and with other rows (--set arms=[...])
+adds them to a finished one, keeping every finished stage.
 \b
 Examples:
   qevolve evolve --env lamps --preset cpu --iters 1 --run-dir runs/lamps-s0
@@ -51,6 +58,7 @@ Examples:
   qevolve compare --run-dir runs/lamps-s0 --resume --json
   qevolve evolve --env lamps --preset cpu --iters 2 --select-on-validation --run-dir runs/lamps-sel
   qevolve compare --run-dir runs/lamps-sel --select-on-validation
+  qevolve compare --run-dir runs/lamps-sel --select-on-validation --resume --set "arms=[sft, rft, rft_2, eto, best_of_n, qevolve]"
   qevolve compare --run-dir runs/lamps-s0 --set best_of=4 --set eto.dpo_beta=0.5 --out runs/lamps-s0/cmp2
 """
 

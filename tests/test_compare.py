@@ -288,6 +288,35 @@ def test_mean_se_hand_computed_and_against_statistics():
     assert m == pytest.approx(statistics.fmean(xs)) and se == pytest.approx(statistics.stdev(xs) / 2)
 
 
+def test_table_notes_name_the_rounds_of_self_play_and_the_rft_2_control(capsys):
+    """After two iterations the table says that Q-Evolve had more rounds of self-play than RFT and how to add the
+    control; with the control present it says what that row is; after one iteration neither (hand tables)."""
+    from qevolve_cli.evolve.compare_table import table_markdown
+
+    def table(k: int, arms: list[str]) -> str:
+        rows = [{"arm": a, "method": a, "scores": {"lamps/test_seen": {"avg_reward": 0.5}}, "self_play_steps": 0,
+                 "eval_steps": 0, "expert_steps": 10} for a in arms]
+        return " ".join(table_markdown({"columns": ["lamps/test_seen"], "rows": rows, "env": "lamps", "seed": 0,
+                                        "best_of": 6, "qevolve_iteration": k}).split())
+
+    hint = "trained on 2 rounds of self-play, RFT on one"
+    assert hint in table(2, ["sft", "rft", "qevolve"]) and "arms=[..., rft, rft_2, ...]" in table(2, ["rft", "qevolve"])
+    assert "trained on 3 rounds" in table(3, ["sft", "rft", "qevolve"])
+    with_control = table(2, ["sft", "rft", "rft_2", "qevolve"])
+    assert hint not in with_control and "the control for the second round of self-play" in with_control
+    for one in (table(1, ["sft", "rft", "qevolve"]), table(2, ["sft", "qevolve"]), table(2, ["sft", "rft"])):
+        assert "rounds of self-play" not in one and "second round" not in one
+    # the terminal table says it too, the arm list as written (not eaten as rich markup)
+    from qevolve_cli.commands.compare import render
+
+    rows = [{"arm": a, "method": a, "oracle": False, "scores": {}, "self_play_steps": 0, "eval_steps": 0}
+            for a in ("sft", "rft", "qevolve")]
+    render({"columns": ["lamps/test_seen"], "rows": rows, "env": "lamps", "seed": 0, "best_of": 6,
+            "qevolve_iteration": 2})
+    out = " ".join(capsys.readouterr().out.split())
+    assert hint in out and "arms=[..., rft, rft_2, ...]" in out
+
+
 def test_budget_of_and_text_name_each_step_and_its_temperature(tmp_path):
     """The budget column: epochs x lr x data per stage, a DPO step's beta and NLL weight, an AWR step's beta."""
     from qevolve_cli.evolve.compare_table import budget_of, budget_text

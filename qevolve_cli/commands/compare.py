@@ -68,6 +68,7 @@ def render(table: dict[str, Any]) -> None:
     from rich.table import Table
 
     from qevolve_cli.evolve.compare import budget_text, selection_text
+    from qevolve_cli.evolve.compare_table import rounds_note
 
     tab = Table(title=f"{table['env']} (seed {table['seed']}): average reward x100 per split")
     tab.add_column("method", no_wrap=True)
@@ -89,6 +90,8 @@ def render(table: dict[str, Any]) -> None:
     if any(r["oracle"] for r in table["rows"]):
         Console().print(f"Best-of-N: best of {table['best_of']} trajectories by the environment's final reward "
                         "(oracle upper bound).")
+    if rounds_note(table):
+        Console().print(rounds_note(table), highlight=False, soft_wrap=True, markup=False)
 
 
 def nest_sets(sets: dict[str, Any]) -> dict[str, Any]:

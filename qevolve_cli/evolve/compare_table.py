@@ -108,6 +108,20 @@ def selection_text(row: dict[str, Any]) -> str:
     return row.get("selection_note") or "–"
 
 
+def rounds_note(table: dict[str, Any]) -> str | None:
+    """When Q-Evolve's row had more rounds of self-play than RFT's (two iterations or more): say so and name the
+    control, or, with the control in the table, what that row is."""
+    arms, k = {r["arm"] for r in table["rows"]}, table.get("qevolve_iteration") or 1
+    if k < 2 or not {"rft", "qevolve"} <= arms:
+        return None
+    if "rft_2" in arms:
+        return ("RFT (2 rounds) is RFT again on the RFT policy's own rollouts of the train tasks: the control for "
+                "the second round of self-play that Q-Evolve's later iterations get.")
+    return (f"Q-Evolve (iteration {k}) trained on {k} rounds of self-play, RFT on one (self-play env steps column). "
+            "For the control, add the RFT (2 rounds) row: `qevolve compare --resume --set arms=[..., rft, rft_2, "
+            "...]` (docs/compare.md).")
+
+
 def table_markdown(table: dict[str, Any]) -> str:
     """The paper's layout: rows = methods, columns = env x split (average reward x100), then env steps, the
     training budget of every row and its choice on validation."""
@@ -131,6 +145,8 @@ def table_markdown(table: dict[str, Any]) -> str:
         notes.append("Q-Evolve (oracle V) is iteration 1's policy step on the exact optimal values V* from the "
                      "environment's solver instead of the learned critic's: the critic's ceiling, not a deployable "
                      "method.")
+    if rounds_note(table):
+        notes.append(rounds_note(table))
     if any(r["arm"] == "best_of_n" for r in table["rows"]):
         notes.append(f"Best-of-N keeps, per task, the one of N={table['best_of']} sampled trajectories with the "
                      "highest final environment reward: an oracle upper bound (QLASS's rule), not a deployable "

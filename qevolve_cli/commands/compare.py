@@ -90,8 +90,8 @@ def render(table: dict[str, Any]) -> None:
     if any(r["oracle"] for r in table["rows"]):
         Console().print(f"Best-of-N: best of {table['best_of']} trajectories by the environment's final reward "
                         "(oracle upper bound).")
-    if rounds_note(table):
-        Console().print(rounds_note(table), highlight=False, soft_wrap=True, markup=False)
+    if note := rounds_note(table):
+        Console().print(note, highlight=False, soft_wrap=True, markup=False)
 
 
 def nest_sets(sets: dict[str, Any]) -> dict[str, Any]:

@@ -145,8 +145,8 @@ def table_markdown(table: dict[str, Any]) -> str:
         notes.append("Q-Evolve (oracle V) is iteration 1's policy step on the exact optimal values V* from the "
                      "environment's solver instead of the learned critic's: the critic's ceiling, not a deployable "
                      "method.")
-    if rounds_note(table):
-        notes.append(rounds_note(table))
+    if note := rounds_note(table):
+        notes.append(note)
     if any(r["arm"] == "best_of_n" for r in table["rows"]):
         notes.append(f"Best-of-N keeps, per task, the one of N={table['best_of']} sampled trajectories with the "
                      "highest final environment reward: an oracle upper bound (QLASS's rule), not a deployable "

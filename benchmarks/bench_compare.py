@@ -293,6 +293,9 @@ def main() -> None:
     ap.add_argument("--add-arms", nargs="+", default=[], choices=["rft_2"],
                     help="Rows made only when named: rft_2 (RFT again on its own rollouts, the control for Q-Evolve's "
                          "second iteration). Seeds kept without it run again; their finished stages are kept.")
+    ap.add_argument("--reconfigure", action="store_true",
+                    help="Resume seeds whose runs were started with another configuration (a changed preset) when "
+                         "the new one leaves their finished stages unchanged (`qevolve evolve --reconfigure`).")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     select = not a.no_select
@@ -319,7 +322,7 @@ def main() -> None:
             table = table or finished_table(run, cfg, ccfg)
             if table is None and not a.collect:
                 t0 = time.perf_counter()
-                run_evolve(cfg, run, resume=True, echo=echo, quiet=not a.verbose)
+                run_evolve(cfg, run, resume=True, echo=echo, quiet=not a.verbose, reconfigure=a.reconfigure)
                 t1 = time.perf_counter()
                 ccfg = compare_config(env, a.best_of, select, run, tuple(a.add_arms))  # the base model exists now
                 table = run_compare(run, ccfg, resume=True, echo=echo, quiet=not a.verbose)

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 from conftest import ROOT, qevolve_env, run_qevolve
 
-from qevolve_cli.errors import ConfigError
+from qevolve_cli.errors import ConfigError, QevolveError
 from qevolve_cli.evolve.config import resolve
 
 STAGES_1 = ["base_model", "expert", "bc", "iter_0/eval_test_seen", "iter_0/eval_test_unseen", "iter_1/rollout",
@@ -119,6 +119,72 @@ def test_existing_run_needs_resume_and_same_config(smoke_run):
     r = run_qevolve("evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--seed", "7",
                     "--run-dir", smoke_run, "--resume")
     assert r.returncode == 2 and "another configuration" in r.stderr
+
+
+def test_reconfigure_keeps_unchanged_stages(smoke_run, tmp_path):
+    """`--resume --reconfigure`: a finished stage the new configuration changes is refused before anything is
+    written; a run stopped before its policy step takes another policy budget and keeps every earlier stage;
+    more iterations keep every stage of the first (the stage hashes do not depend on --iters)."""
+    import shutil
+
+    import yaml
+
+    from qevolve_cli.evolve.loop import check_reconfigure
+
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run, symlinks=True)
+    base = ["evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--run-dir", run, "--resume"]
+    before = {p.name: p.read_bytes() for p in (run / "config.yaml", run / "manifest.json")}
+
+    # more iterations: every finished stage is kept (checked without running anything)
+    cfg2 = resolve("textcraft", "smoke", overrides={"iters": 2})
+    iter_2 = [s.replace("iter_1", "iter_2") for s in STAGES_1[5:]]
+    assert check_reconfigure(cfg2, run) == (STAGES_1, iter_2)
+    # an added evaluation split: its stages run, the finished stages after the first of them are checked too
+    splits = ["test_seen", "test_unseen", "train"]
+    assert check_reconfigure(resolve("textcraft", "smoke", overrides={"iters": 1, "eval_splits": splits}), run) == (
+        STAGES_1, ["iter_0/eval_train", "iter_1/eval_train"])
+    with pytest.raises(QevolveError, match="'iter_1/critic'"):
+        check_reconfigure(resolve("textcraft", "smoke", overrides={"iters": 1, "eval_splits": splits, "critic": {"epochs": 3}}),
+                          run)
+    # a changed critic: refused, naming the stage, nothing written
+    over = tmp_path / "critic.yaml"
+    over.write_text("critic: {epochs: 3}\n")
+    r = run_qevolve(*base, "--reconfigure", "--config", over)
+    assert r.returncode == 2 and "'iter_1/critic'" in r.stderr and "--reconfigure" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert {p.name: p.read_bytes() for p in (run / "config.yaml", run / "manifest.json")} == before
+    assert not list(run.glob("config.prev-*"))
+    # without --reconfigure the changed configuration is refused and the flag named
+    over.write_text("iterations:\n  - policy: {epochs: 2}\n")  # the smoke preset sets iteration 1's epochs
+    r = run_qevolve(*base, "--config", over)
+    assert r.returncode == 2 and "another configuration" in r.stderr and "--reconfigure" in r.stderr
+
+    # the run as if stopped before its policy step: the new policy budget runs, every stage before it is kept
+    m = json.loads((run / "manifest.json").read_text())
+    stopped = STAGES_1[STAGES_1.index("iter_1/policy"):]
+    for name in stopped:
+        del m["stages"][name]
+    (run / "manifest.json").write_text(json.dumps(m))
+    shutil.rmtree(run / "iter_1/policy")
+    kept = {k: v for k, v in m["stages"].items()}
+    r = run_qevolve(*base, "--reconfigure", "--config", over, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{len(kept)} finished stage(s) unchanged and kept; to run: {', '.join(stopped)}" in r.stderr
+    ran = [ln.split()[1] for ln in r.stderr.splitlines() if ln.startswith("[run]")]
+    assert ran == stopped
+    st = manifest(run)
+    assert {k: st[k] for k in kept} == kept and all(st[k]["status"] == "done" for k in stopped)
+    assert yaml.safe_load((run / "config.yaml").read_text())["iterations"][0]["policy"]["epochs"] == 2
+    assert (run / "config.prev-1.yaml").read_bytes() == before["config.yaml"]
+    assert yaml.safe_load((run / "stages/policy_1.yaml").read_text())["epochs"] == 2
+    assert json.loads((run / "iter_1/policy/train_summary.json").read_text())["epochs"] == 2
+    # the same flags again: the run is finished, a plain --resume is a no-op
+    r = run_qevolve(*base, "--config", over)
+    assert r.returncode == 0 and "[run]" not in r.stderr, r.stderr[-2000:]
+    # --reconfigure without --resume is refused
+    r = run_qevolve(*base[:-1], "--reconfigure")
+    assert r.returncode == 2 and "--resume" in r.stderr
 
 
 def test_resume_after_kill_mid_stage(tmp_path, deepspeed_cpu):

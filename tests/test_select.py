@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from qevolve_cli.errors import ConfigError
+from qevolve_cli.errors import ConfigError, QevolveError
 from qevolve_cli.evolve import select as S
+from qevolve_cli.evolve.config import resolve
+from qevolve_cli.evolve.loop import check_reconfigure
 from tests.conftest import run_qevolve
 
 
@@ -144,6 +146,19 @@ def test_selection_reads_no_test_split(tmp_path):
     assert eto_b["unit"] == "pairs" and eto_b["dpo_nll_weight"] == 1.0
     md = (run / "compare" / "table.md").read_text()
     assert "trained on (epochs x lr x data)" in md and f"**{sel['eto']['chosen']}** of 2" in md
+    # evolve --reconfigure's check walks the selections: a third iteration keeps every finished stage and stops
+    # at its own candidates (no validation score to choose from yet); another grid would change the choice
+    kept, to_run = check_reconfigure(resolve("lamps", "smoke", cfg, {"iters": 3}), run)
+    assert set(kept) == set(man) and kept[0] == "base_model"
+    assert to_run == ["iter_3/rollout", "iter_3/label", "iter_3/critic", "iter_3/advantage", "iter_3/cand_base",
+                      "iter_3/cand_base/val", "iter_3/cand_lr0.5", "iter_3/cand_lr0.5/val",
+                      "iter_3 (and the stages after it)"]
+    grid3 = tmp_path / "sel3.yaml"
+    grid3.write_text(cfg.read_text().replace("policy_candidates: [{}, {lr: 0.5}]",
+                                             "policy_candidates: [{}, {lr: 0.5}, {lr: 2}]")
+                     .replace("[{}, {epochs: 2}]", "[{}, {epochs: 2}, {epochs: 3}]"))
+    with pytest.raises(QevolveError, match="finished stage 'bc' was done with another configuration"):
+        check_reconfigure(resolve("lamps", "smoke", grid3, {"iters": 2}), run)
     # candidate lists of another length than the run's are refused, naming the field
     r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--set", "rft_candidates=[{}]",
                     "--out", tmp_path / "c2", "--quiet", timeout=300, env=env)

@@ -37,6 +37,7 @@ Examples:
   qevolve evolve --env sciworld --iters 2 --preset smoke --run-dir runs/sw-smoke
   qevolve evolve --env alfworld --iters 2 --model /models/Llama-3-8B-Instruct --run-dir runs/alf
   qevolve evolve --env sciworld --iters 2 --model M --run-dir runs/sw --resume   # after Ctrl-C / a crash
+  qevolve evolve --env lamps --preset cpu --iters 2 --run-dir runs/l1 --resume --reconfigure   # 1 more iteration
 """
 
 
@@ -68,6 +69,11 @@ def register(app: typer.Typer) -> None:
         preset: Annotated[str, typer.Option("--preset", help="paper (default), smoke, cpu or cpu-smol.")] = "paper",
         run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<env>-<preset>).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run (a finished run is a no-op).")] = False,
+        reconfigure: Annotated[bool, typer.Option(
+            "--reconfigure", help="With --resume: accept a configuration other than the run's (more --iters, "
+            "another --config for stages not yet run). Every finished stage the new configuration changes is "
+            "refused before anything is written; the others are kept. The earlier config.yaml is kept as "
+            "config.prev-N.yaml.")] = False,
         config: ConfigOpt = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Seed of every stage.")] = None,
         precision: PrecisionOpt = None,
@@ -108,7 +114,7 @@ def register(app: typer.Typer) -> None:
             if cfg.start_policy:
                 cfg = cfg.replace(start_policy=resolve_model(cfg.start_policy, "--policy"))
             rd = run_dir or Path("runs") / f"{env}-{preset}"
-            rep = run_evolve(cfg, rd, resume=resume, quiet=quiet)
+            rep = run_evolve(cfg, rd, resume=resume, quiet=quiet, reconfigure=reconfigure)
             if json_out:
                 emit_json(rep)
             else:

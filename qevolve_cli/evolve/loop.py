@@ -9,6 +9,7 @@ in the run directory's manifest, and is skipped when a resume finds it done.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -106,8 +107,12 @@ class Plan:
 
 
 def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
-               echo: Callable[[str], None] = _echo_stderr, quiet: bool = False) -> dict[str, Any]:
+               echo: Callable[[str], None] = _echo_stderr, quiet: bool = False,
+               reconfigure: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole loop in ``run_dir``; returns the score summary.
+
+    ``reconfigure`` (with ``resume``): accept a configuration other than the run's own when every finished
+    stage would run with its recorded configuration (``check_reconfigure``).
 
     Holds an exclusive lock on ``run_dir`` throughout (``qevolve_cli/lock.py``): a second
     process on the same directory fails at once, naming this one's PID.
@@ -117,13 +122,50 @@ def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
     run_path = Path(run_dir)
     if run_path.exists() and not run_path.is_dir():
         raise QevolveError(f"{run_path}: not a directory (--run-dir)")
+    if reconfigure and not resume:
+        raise QevolveError("--reconfigure changes the configuration of an existing run: pass --resume with it")
     run_path.mkdir(parents=True, exist_ok=True)
     with exclusive(run_dir_lock(run_path), run_path):
-        return _run_evolve(cfg, run_path, resume=resume, echo=echo, quiet=quiet)
+        return _run_evolve(cfg, run_path, resume=resume, echo=echo, quiet=quiet, reconfigure=reconfigure)
+
+
+def check_reconfigure(cfg: EvolveConfig, run_path: Path) -> tuple[list[str], list[str]]:
+    """(kept, to_run): the finished stages of ``run_path`` that ``cfg`` keeps and the stages it will run, in the
+    order the loop meets them; raises a one-line QevolveError naming the first finished stage whose configuration
+    ``cfg`` changes.
+
+    Walks the loop in check mode (``RunDir(check_only=True)``): nothing is trained or written; every finished
+    stage's recorded configuration hash is compared with the one ``cfg`` gives it. The walk goes past unfinished
+    stages (an added evaluation split before finished iterations) and stops only where the loop needs an
+    unfinished stage's output (a selection among candidates not yet validated); every stage after that point
+    runs after the unfinished ones it needs, or is checked when it is reached."""
+    from qevolve_cli.evolve.rundir import StageConfigChanged, Unfinished
+
+    run = RunDir(run_path, check_only=True)
+    try:
+        _stages(cfg, run, Plan(cfg, run.path), lambda _m: None, quiet=True)
+    except Unfinished as e:
+        run.pending.append(f"{e.stage} (and the stages after it)")
+    except StageConfigChanged as e:
+        raise QevolveError(
+            f"{run.path / 'config.yaml'}: --reconfigure: the finished stage {e.stage!r} was done with another "
+            "configuration than the new one gives it; keep its settings or use a new --run-dir"
+        ) from None
+    return run.checked, run.pending
+
+
+def _archive_config(cfg_path: Path) -> Path:
+    """Move the run's config.yaml aside as config.prev-N.yaml (N = 1, 2, ...: the next free one); return it."""
+    n = 1
+    while (cfg_path.parent / f"config.prev-{n}.yaml").exists():
+        n += 1
+    dst = cfg_path.parent / f"config.prev-{n}.yaml"
+    os.link(cfg_path, dst)  # the old config stays in place until the new one replaces it atomically
+    return dst
 
 
 def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[str], None],
-                quiet: bool) -> dict[str, Any]:
+                quiet: bool, reconfigure: bool = False) -> dict[str, Any]:
     import yaml
 
     from qevolve_cli.atomic import write_text
@@ -136,10 +178,17 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
             raise QevolveError(f"{run.path}: a run already exists here; pass --resume to continue it or choose a new --run-dir")
         saved = EvolveConfig.from_dict(yaml.safe_load(cfg_path.read_text()), source=cfg_path)
         if saved.hash() != cfg.hash():
-            raise QevolveError(
-                f"{cfg_path}: the run was started with another configuration (hash {saved.hash()} != {cfg.hash()}); "
-                "resume with the same flags or use a new --run-dir"
-            )
+            if not reconfigure:
+                raise QevolveError(
+                    f"{cfg_path}: the run was started with another configuration (hash {saved.hash()} != {cfg.hash()}); "
+                    "resume with the same flags, add --reconfigure to keep its finished stages that the new "
+                    "configuration leaves unchanged, or use a new --run-dir"
+                )
+            kept, to_run = check_reconfigure(cfg, run.path)
+            prev = _archive_config(cfg_path)
+            dump_yaml(cfg, cfg_path)
+            echo(f"[reconfigure] {cfg_path}: new configuration (the earlier one kept as {prev.name}); "
+                 f"{len(kept)} finished stage(s) unchanged and kept; to run: {', '.join(to_run) or 'nothing'}")
     else:
         run.path.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, cfg_path)
@@ -152,6 +201,12 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
         for line in plan.shell().splitlines()[4:]:
             echo("  " + line)
     run.sinks = make_sinks(cfg.log_to, run.path, echo)
+    return _stages(cfg, run, plan, echo, quiet)
+
+
+def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], None], quiet: bool) -> dict[str, Any]:
+    """Every stage of the loop in order (each skipped when finished); the score summary. In check mode
+    (``run.check_only``) it stops at the first unfinished stage and makes no report."""
     P = lambda rel: str(run.path / rel) if not Path(rel).is_absolute() else rel  # noqa: E731
 
     # ---- base model
@@ -294,6 +349,8 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
                           config_hash=p_cfg.hash(), iteration=k, echo=echo)
         scores[k] = _evaluate(cfg, run, k, P(plan.policy(k)), echo, quiet)
 
+    if run.check_only:
+        return {}
     from qevolve_cli.evolve.report import build_report
 
     return build_report(run.path, plots=True)

@@ -58,8 +58,29 @@ def attempt_seconds(prev: dict[str, Any], heartbeat: dict[str, Any] | None) -> f
     return 0.0
 
 
+class StageConfigChanged(QevolveError):
+    """A finished stage's recorded configuration hash differs from the one it would run with now."""
+
+    def __init__(self, message: str, stage: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+class Unfinished(Exception):
+    """Raised in check mode where the loop cannot go on without an unfinished stage's output (a selection whose
+    candidates are not validated yet)."""
+
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
+
+
 class RunDir:
-    def __init__(self, path: str | Path):
+    """``check_only``: ``run_stage`` runs nothing and writes nothing; it verifies a finished stage's configuration
+    hash (recording its name in ``checked``) and records an unfinished one in ``pending`` (returning no metrics)
+    (``evolve --resume --reconfigure``)."""
+
+    def __init__(self, path: str | Path, check_only: bool = False):
         self.path = Path(path)
         self.manifest_path = self.path / MANIFEST
         self.manifest: dict[str, Any] = {"version": 1, "stages": {}}
@@ -69,6 +90,9 @@ class RunDir:
             except json.JSONDecodeError as e:
                 raise QevolveError(f"{self.manifest_path}: corrupt manifest ({e})") from None
         self.sinks: list[Any] = []
+        self.check_only = check_only
+        self.checked: list[str] = []
+        self.pending: list[str] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -97,12 +121,18 @@ class RunDir:
         if self.is_done(name):
             st = self.stages[name]
             if st.get("config_hash") != config_hash:
-                raise QevolveError(
+                raise StageConfigChanged(
                     f"{self.manifest_path}: stage {name!r} was done with another configuration "
-                    f"(hash {st.get('config_hash')} != {config_hash}); use a new --run-dir"
+                    f"(hash {st.get('config_hash')} != {config_hash}); use a new --run-dir", name
                 )
+            if self.check_only:
+                self.checked.append(name)
+                return st.get("metrics", {})
             echo(f"[skip] {name} (done)")
             return st.get("metrics", {})
+        if self.check_only:
+            self.pending.append(name)
+            return {}
         prev = self.stages.get(name, {})
         attempt = int(prev.get("attempts", 0)) + 1
         hb_path = heartbeat_path(self.path, name)

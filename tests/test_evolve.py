@@ -139,11 +139,21 @@ def test_reconfigure_keeps_unchanged_stages(smoke_run, tmp_path):
     # more iterations: every finished stage is kept (checked without running anything)
     cfg2 = resolve("textcraft", "smoke", overrides={"iters": 2})
     iter_2 = [s.replace("iter_1", "iter_2") for s in STAGES_1[5:]]
-    assert check_reconfigure(cfg2, run) == (STAGES_1, iter_2)
+    assert check_reconfigure(cfg2, run) == (STAGES_1, iter_2, [])
+    # an unfinished stage's work in progress is stale only when it was interrupted under another configuration
+    m = json.loads(before["manifest.json"])
+    journal = run / "iter_2/rollout.parquet.partial"
+    journal.mkdir(parents=True)
+    for h, stale in (("0" * 16, [journal]), (cfg2.stage("rollout", 2).replace(split="train").hash(), [])):
+        m["stages"]["iter_2/rollout"] = {"stage": "iter_2/rollout", "status": "running", "config_hash": h}
+        (run / "manifest.json").write_text(json.dumps(m))
+        assert check_reconfigure(cfg2, run)[2] == stale
+    (run / "manifest.json").write_bytes(before["manifest.json"])
+    shutil.rmtree(run / "iter_2")
     # an added evaluation split: its stages run, the finished stages after the first of them are checked too
     splits = ["test_seen", "test_unseen", "train"]
     assert check_reconfigure(resolve("textcraft", "smoke", overrides={"iters": 1, "eval_splits": splits}), run) == (
-        STAGES_1, ["iter_0/eval_train", "iter_1/eval_train"])
+        STAGES_1, ["iter_0/eval_train", "iter_1/eval_train"], [])
     with pytest.raises(QevolveError, match="'iter_1/critic'"):
         check_reconfigure(resolve("textcraft", "smoke", overrides={"iters": 1, "eval_splits": splits, "critic": {"epochs": 3}}),
                           run)
@@ -160,17 +170,24 @@ def test_reconfigure_keeps_unchanged_stages(smoke_run, tmp_path):
     r = run_qevolve(*base, "--config", over)
     assert r.returncode == 2 and "another configuration" in r.stderr and "--reconfigure" in r.stderr
 
-    # the run as if stopped before its policy step: the new policy budget runs, every stage before it is kept
+    # the run as if killed in its policy step: the new policy budget runs, every stage before it is kept, and the
+    # killed attempt's work in progress (of the old budget: it could not be resumed) is set aside, not deleted
     m = json.loads((run / "manifest.json").read_text())
     stopped = STAGES_1[STAGES_1.index("iter_1/policy"):]
     for name in stopped:
         del m["stages"][name]
+    kept = {k: v for k, v in m["stages"].items()}
+    m["stages"]["iter_1/policy"] = {**manifest(run)["iter_1/policy"], "status": "running"}  # the old hash
     (run / "manifest.json").write_text(json.dumps(m))
     shutil.rmtree(run / "iter_1/policy")
-    kept = {k: v for k, v in m["stages"].items()}
+    (run / "iter_1/policy.partial").mkdir()
+    (run / "iter_1/policy.partial/checkpoint.json").write_text("old")
     r = run_qevolve(*base, "--reconfigure", "--config", over, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{len(kept)} finished stage(s) unchanged and kept; to run: {', '.join(stopped)}" in r.stderr
+    assert "set aside as policy.partial.stale-1" in r.stderr
+    assert (run / "iter_1/policy.partial.stale-1/checkpoint.json").read_text() == "old"
+    assert not (run / "iter_1/policy.partial").exists()
     ran = [ln.split()[1] for ln in r.stderr.splitlines() if ln.startswith("[run]")]
     assert ran == stopped
     st = manifest(run)

@@ -148,11 +148,11 @@ def test_selection_reads_no_test_split(tmp_path):
     assert "trained on (epochs x lr x data)" in md and f"**{sel['eto']['chosen']}** of 2" in md
     # evolve --reconfigure's check walks the selections: a third iteration keeps every finished stage and stops
     # at its own candidates (no validation score to choose from yet); another grid would change the choice
-    kept, to_run = check_reconfigure(resolve("lamps", "smoke", cfg, {"iters": 3}), run)
+    kept, to_run, stale = check_reconfigure(resolve("lamps", "smoke", cfg, {"iters": 3}), run)
     assert set(kept) == set(man) and kept[0] == "base_model"
     assert to_run == ["iter_3/rollout", "iter_3/label", "iter_3/critic", "iter_3/advantage", "iter_3/cand_base",
                       "iter_3/cand_base/val", "iter_3/cand_lr0.5", "iter_3/cand_lr0.5/val",
-                      "iter_3 (and the stages after it)"]
+                      "iter_3 (and the stages after it)"] and stale == []
     grid3 = tmp_path / "sel3.yaml"
     grid3.write_text(cfg.read_text().replace("policy_candidates: [{}, {lr: 0.5}]",
                                              "policy_candidates: [{}, {lr: 0.5}, {lr: 2}]")

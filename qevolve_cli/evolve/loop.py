@@ -129,10 +129,11 @@ def run_evolve(cfg: EvolveConfig, run_dir: str | Path, resume: bool = False,
         return _run_evolve(cfg, run_path, resume=resume, echo=echo, quiet=quiet, reconfigure=reconfigure)
 
 
-def check_reconfigure(cfg: EvolveConfig, run_path: Path) -> tuple[list[str], list[str]]:
-    """(kept, to_run): the finished stages of ``run_path`` that ``cfg`` keeps and the stages it will run, in the
-    order the loop meets them; raises a one-line QevolveError naming the first finished stage whose configuration
-    ``cfg`` changes.
+def check_reconfigure(cfg: EvolveConfig, run_path: Path) -> tuple[list[str], list[str], list[Path]]:
+    """(kept, to_run, stale): the finished stages of ``run_path`` that ``cfg`` keeps, the stages it will run (in
+    the order the loop meets them), and the work in progress (``OUT.partial/``) of the stages among those that
+    were interrupted under another configuration (their checkpoints or journals cannot be resumed with ``cfg``);
+    raises a one-line QevolveError naming the first finished stage whose configuration ``cfg`` changes.
 
     Walks the loop in check mode (``RunDir(check_only=True)``): nothing is trained or written; every finished
     stage's recorded configuration hash is compared with the one ``cfg`` gives it. The walk goes past unfinished
@@ -151,7 +152,17 @@ def check_reconfigure(cfg: EvolveConfig, run_path: Path) -> tuple[list[str], lis
             f"{run.path / 'config.yaml'}: --reconfigure: the finished stage {e.stage!r} was done with another "
             "configuration than the new one gives it; keep its settings or use a new --run-dir"
         ) from None
-    return run.checked, run.pending
+    return run.checked, run.pending, run.stale
+
+
+def _set_aside(partial: Path) -> Path:
+    """Rename a stale work-in-progress directory to ``NAME.stale-N`` (N = 1, 2, ...: the next free one)."""
+    n = 1
+    while partial.with_name(f"{partial.name}.stale-{n}").exists():
+        n += 1
+    dst = partial.with_name(f"{partial.name}.stale-{n}")
+    os.replace(partial, dst)
+    return dst
 
 
 def _archive_config(cfg_path: Path) -> Path:
@@ -160,7 +171,12 @@ def _archive_config(cfg_path: Path) -> Path:
     while (cfg_path.parent / f"config.prev-{n}.yaml").exists():
         n += 1
     dst = cfg_path.parent / f"config.prev-{n}.yaml"
-    os.link(cfg_path, dst)  # the old config stays in place until the new one replaces it atomically
+    try:
+        os.link(cfg_path, dst)  # the old config stays in place until the new one replaces it atomically
+    except OSError:  # a file system without hard links
+        import shutil
+
+        shutil.copy2(cfg_path, dst)
     return dst
 
 
@@ -184,11 +200,14 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
                     "resume with the same flags, add --reconfigure to keep its finished stages that the new "
                     "configuration leaves unchanged, or use a new --run-dir"
                 )
-            kept, to_run = check_reconfigure(cfg, run.path)
+            kept, to_run, stale = check_reconfigure(cfg, run.path)
             prev = _archive_config(cfg_path)
             dump_yaml(cfg, cfg_path)
             echo(f"[reconfigure] {cfg_path}: new configuration (the earlier one kept as {prev.name}); "
                  f"{len(kept)} finished stage(s) unchanged and kept; to run: {', '.join(to_run) or 'nothing'}")
+            for p in stale:  # an interrupted stage's checkpoint or journal of the old configuration: start it over
+                echo(f"[reconfigure] {p}: work in progress of the old configuration, set aside as "
+                     f"{_set_aside(p).name} (delete it when not needed)")
     else:
         run.path.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, cfg_path)

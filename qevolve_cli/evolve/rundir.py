@@ -78,7 +78,8 @@ class Unfinished(Exception):
 class RunDir:
     """``check_only``: ``run_stage`` runs nothing and writes nothing; it verifies a finished stage's configuration
     hash (recording its name in ``checked``) and records an unfinished one in ``pending`` (returning no metrics)
-    (``evolve --resume --reconfigure``)."""
+    and, when that stage was interrupted under another configuration, its work in progress (``OUT.partial/``)
+    in ``stale`` (``evolve --resume --reconfigure``)."""
 
     def __init__(self, path: str | Path, check_only: bool = False):
         self.path = Path(path)
@@ -93,6 +94,7 @@ class RunDir:
         self.check_only = check_only
         self.checked: list[str] = []
         self.pending: list[str] = []
+        self.stale: list[Path] = []  # work in progress of unfinished stages whose configuration changed
 
     # ------------------------------------------------------------------ state
     @property
@@ -132,6 +134,11 @@ class RunDir:
             return st.get("metrics", {})
         if self.check_only:
             self.pending.append(name)
+            prev = self.stages.get(name)
+            if prev and prev.get("config_hash") != config_hash:  # interrupted under the old configuration
+                from qevolve_cli.atomic import partial_dir
+
+                self.stale += [partial_dir(self.path / o) for o in outputs if partial_dir(self.path / o).exists()]
             return {}
         prev = self.stages.get(name, {})
         attempt = int(prev.get("attempts", 0)) + 1

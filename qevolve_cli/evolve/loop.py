@@ -155,22 +155,24 @@ def check_reconfigure(cfg: EvolveConfig, run_path: Path) -> tuple[list[str], lis
     return run.checked, run.pending, run.stale
 
 
-def _set_aside(partial: Path) -> Path:
-    """Rename a stale work-in-progress directory to ``NAME.stale-N`` (N = 1, 2, ...: the next free one)."""
+def _next_free(name: Callable[[int], Path]) -> Path:
+    """``name(n)`` for the smallest n = 1, 2, ... that does not exist yet."""
     n = 1
-    while partial.with_name(f"{partial.name}.stale-{n}").exists():
+    while name(n).exists():
         n += 1
-    dst = partial.with_name(f"{partial.name}.stale-{n}")
+    return name(n)
+
+
+def _set_aside(partial: Path) -> Path:
+    """Rename a stale work-in-progress directory to ``NAME.stale-N`` (the next free N); return the new path."""
+    dst = _next_free(lambda n: partial.with_name(f"{partial.name}.stale-{n}"))
     os.replace(partial, dst)
     return dst
 
 
 def _archive_config(cfg_path: Path) -> Path:
-    """Move the run's config.yaml aside as config.prev-N.yaml (N = 1, 2, ...: the next free one); return it."""
-    n = 1
-    while (cfg_path.parent / f"config.prev-{n}.yaml").exists():
-        n += 1
-    dst = cfg_path.parent / f"config.prev-{n}.yaml"
+    """Keep the run's config.yaml as config.prev-N.yaml (the next free N) before it is replaced; return it."""
+    dst = _next_free(lambda n: cfg_path.parent / f"config.prev-{n}.yaml")
     try:
         os.link(cfg_path, dst)  # the old config stays in place until the new one replaces it atomically
     except OSError:  # a file system without hard links

@@ -173,12 +173,7 @@ def _set_aside(partial: Path) -> Path:
 def _archive_config(cfg_path: Path) -> Path:
     """Keep the run's config.yaml as config.prev-N.yaml (the next free N) before it is replaced; return it."""
     dst = _next_free(lambda n: cfg_path.parent / f"config.prev-{n}.yaml")
-    try:
-        os.link(cfg_path, dst)  # the old config stays in place until the new one replaces it atomically
-    except OSError:  # a file system without hard links
-        import shutil
-
-        shutil.copy2(cfg_path, dst)
+    _link_or_copy(cfg_path, dst)  # the old config stays in place until the new one replaces it atomically
     return dst
 
 
@@ -227,7 +222,7 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
 
 def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], None], quiet: bool) -> dict[str, Any]:
     """Every stage of the loop in order (each skipped when finished); the score summary. In check mode
-    (``run.check_only``) it stops at the first unfinished stage and makes no report."""
+    (``run.check_only``: ``check_reconfigure``) nothing runs, and it makes no report."""
     P = lambda rel: str(run.path / rel) if not Path(rel).is_absolute() else rel  # noqa: E731
 
     # ---- base model
@@ -435,23 +430,25 @@ def _select_and_adopt(cfg: EvolveConfig, run: RunDir, prefix: str, target: str, 
     return sel
 
 
+def _link_or_copy(a: str | Path, b: str | Path) -> None:
+    """Hard-link file ``a`` as ``b``; a plain copy where links fail (another file system, none supported)."""
+    import shutil
+
+    try:
+        os.link(a, b)
+    except OSError:
+        shutil.copy2(a, b)
+
+
 def _link_tree(src: Path, dst: Path) -> None:
     """``dst`` = a copy of the directory ``src`` made of hard links (a plain copy where links fail), atomically."""
-    import os
     import shutil
 
     from qevolve_cli.atomic import atomic_dir
-
-    def link(a, b):
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
     from qevolve_cli.models import ADAPTER_BASE_FILE, record_adapter_base
 
     with atomic_dir(dst) as tmp:
-        shutil.copytree(src, tmp, dirs_exist_ok=True, copy_function=link)
+        shutil.copytree(src, tmp, dirs_exist_ok=True, copy_function=_link_or_copy)
         if (tmp / ADAPTER_BASE_FILE).is_file():  # a LoRA policy: its base's relative path from where dst lies
             record_adapter_base(tmp)
 

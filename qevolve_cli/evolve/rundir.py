@@ -129,8 +129,8 @@ class RunDir:
                 )
             if self.check_only:
                 self.checked.append(name)
-                return st.get("metrics", {})
-            echo(f"[skip] {name} (done)")
+            else:
+                echo(f"[skip] {name} (done)")
             return st.get("metrics", {})
         if self.check_only:
             self.pending.append(name)
@@ -138,7 +138,7 @@ class RunDir:
             if prev and prev.get("config_hash") != config_hash:  # interrupted under the old configuration
                 from qevolve_cli.atomic import partial_dir
 
-                self.stale += [partial_dir(self.path / o) for o in outputs if partial_dir(self.path / o).exists()]
+                self.stale += [p for p in (partial_dir(self.path / o) for o in outputs) if p.exists()]
             return {}
         prev = self.stages.get(name, {})
         attempt = int(prev.get("attempts", 0)) + 1

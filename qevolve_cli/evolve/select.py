@@ -129,7 +129,7 @@ def select(run, prefix: str, base_cfg, grid: Sequence[dict[str, Any]], train: Ca
         cands.append({"tag": tag, "multipliers": dict(cand), "setting": setting_of(cfg),
                       "val_avg_reward": m.get("avg_reward"), "val_success_rate": m.get("success_rate")})
     i = pick_best([c["val_avg_reward"] for c in cands])
-    if i is None and getattr(run, "check_only", False):  # evolve --reconfigure's check: no candidate validated yet
+    if i is None and run.check_only:  # evolve --reconfigure's check: no candidate validated yet
         from qevolve_cli.evolve.rundir import Unfinished
 
         raise Unfinished(prefix)

@@ -21,6 +21,12 @@ synthetic table. It reports each arm's better epoch time, the speed-up, and whet
 
     python benchmarks/bench_critic.py --value-forward-ab --data lamps-habit --trajectories 24
     python benchmarks/bench_critic.py --value-forward-ab --preset cpu-smol --data lamps --trajectories 8
+
+``--shared-prefix-ab`` measures the same way ``shared_prefix: false`` against ``true`` (the prompt prefix every
+trajectory of a batch shares, the system prompt and the in-context example, computed once per adapter forward;
+the same values up to rounding, so the weights agree to about 1e-6 rather than bit for bit):
+
+    python benchmarks/bench_critic.py --shared-prefix-ab --preset cpu-smol --data lamps --trajectories 8 --threads 2
 """
 from __future__ import annotations
 
@@ -88,9 +94,9 @@ def run_layout(model_dir: Path, df, per_step: bool, batch_size: int, epochs: int
     }
 
 
-def _one_arm(model: str, data: str, preset: str, share: bool, threads: int, q) -> None:
-    """One epoch of the preset's critic on ``data`` in this (fresh) process -> q: seconds, counts, peak RSS, and a
-    checksum of the trained value and q adapters."""
+def _one_arm(model: str, data: str, preset: str, overrides: dict, threads: int, q) -> None:
+    """One epoch of the preset's critic (with ``overrides``: the A/B's arm) on ``data`` in this (fresh) process
+    -> q: seconds, counts, peak RSS, and a checksum of the trained value and q adapters."""
     import resource
 
     import torch
@@ -104,8 +110,7 @@ def _one_arm(model: str, data: str, preset: str, share: bool, threads: int, q) -
     from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
     cfg = load_critic_config(None, preset, {"epochs": 1, "schedule": "both", "device": "cpu", "dtype": "float32",
-                                            "checkpoint_every_steps": 0, "heldout_fraction": 0.0,
-                                            "share_value_forward": share})
+                                            "checkpoint_every_steps": 0, "heldout_fraction": 0.0, **overrides})
     df = schema.read_table(data)
     tok = load_tokenizer(model)
     items = build_items(df, tok, cfg.max_length)
@@ -114,28 +119,33 @@ def _one_arm(model: str, data: str, preset: str, share: bool, threads: int, q) -
     tr = CriticTrainer(critic, cfg, items, pad_id_of(tok))
     m = tr.run_epoch(0)
     sums = {a: float(sum(p.detach().double().abs().sum() for _, p in critic.adapter_params(a))) for a in ("value", "q")}
-    q.put({"share_value_forward": share, "seconds": m["seconds"], "transitions_per_s": round(m["transitions_per_s"], 2),
+    q.put({**overrides, "seconds": m["seconds"], "transitions_per_s": round(m["transitions_per_s"], 2),
            "forward_calls": m["forward_calls"], "loss_q": m["loss_q"], "loss_v": m["loss_v"],
            "adapter_abs_sums": sums, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
 
 
-def value_forward_ab(a, model: Path, data: Path) -> dict:
+def config_ab(a, model: Path, data: Path, key: str, names: tuple[str, str]) -> dict:
+    """CriticConfig.<key> false (arm ``names[0]``) vs true (``names[1]``), each twice, interleaved."""
     # a fresh process per run (its own peak RSS); a child that dies ends the benchmark instead of hanging it
     from benchmarks.bench_policy import _in_child
 
     runs: dict[bool, list[dict]] = {True: [], False: []}
-    for share in (False, True, False, True):  # interleaved, twice: the machine's load drifts
-        r = _in_child(_one_arm, str(model), str(data), a.preset, share, a.threads)
-        runs[share].append(r)
-        print(f"share_value_forward={share}: {r['seconds']:.1f} s, {r['peak_rss_mib']} MiB", file=sys.stderr, flush=True)
+    for on in (False, True, False, True):  # interleaved, twice: the machine's load drifts
+        r = _in_child(_one_arm, str(model), str(data), a.preset, {key: on}, a.threads)
+        runs[on].append(r)
+        print(f"{key}={on}: {r['seconds']:.1f} s, {r['peak_rss_mib']} MiB", file=sys.stderr, flush=True)
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
-    return {"two_forwards": best[False], "shared_forward": best[True],
+    sums = [r["adapter_abs_sums"] for r in runs[True] + runs[False]]
+    ref = runs[False][0]["adapter_abs_sums"]
+    return {names[0]: best[False], names[1]: best[True],
             "speedup": round(best[False]["seconds"] / best[True]["seconds"], 3),
-            "seconds_runs": {"two_forwards": [r["seconds"] for r in runs[False]],
-                             "shared_forward": [r["seconds"] for r in runs[True]]},
-            "same_weights": all(r["adapter_abs_sums"] == runs[False][0]["adapter_abs_sums"]
-                                for r in runs[True] + runs[False]),
-            "same_losses": len({(r["loss_q"], r["loss_v"]) for r in runs[True] + runs[False]}) == 1}
+            "seconds_runs": {names[0]: [r["seconds"] for r in runs[False]],
+                             names[1]: [r["seconds"] for r in runs[True]]},
+            "same_weights": all(s == ref for s in sums),
+            "max_rel_weight_diff": max(abs(s[k] - ref[k]) / abs(ref[k]) for s in sums for k in ref),
+            "same_losses": len({(r["loss_q"], r["loss_v"]) for r in runs[True] + runs[False]}) == 1,
+            "losses": {names[0]: [runs[False][0]["loss_q"], runs[False][0]["loss_v"]],
+                       names[1]: [runs[True][0]["loss_q"], runs[True][0]["loss_v"]]}}
 
 
 def main() -> None:
@@ -149,12 +159,15 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="existing model directory (default: build the tiny one)")
     ap.add_argument("--value-forward-ab", action="store_true",
                     help="schedule both: two value forwards per batch vs the shared one (see the doc)")
-    ap.add_argument("--preset", default="cpu", help="with --value-forward-ab: the critic stage of this preset "
+    ap.add_argument("--shared-prefix-ab", action="store_true",
+                    help="shared_prefix false vs true: the prompt prefix every trajectory of a batch shares "
+                         "computed once (see the doc)")
+    ap.add_argument("--preset", default="cpu", help="with --value-forward-ab / --shared-prefix-ab: the critic stage of this preset "
                                                      "(cpu: tiny model; cpu-smol: SmolLM2 + LoRA)")
-    ap.add_argument("--data", default="synthetic", help="with --value-forward-ab: synthetic or an environment's "
+    ap.add_argument("--data", default="synthetic", help="with an A/B: synthetic or an environment's "
                                                          "expert trajectories (lamps, lamps-habit, textcraft, ...)")
     a = ap.parse_args()
-    if a.value_forward_ab:
+    if a.value_forward_ab or a.shared_prefix_ab:
         with tempfile.TemporaryDirectory() as tmp:
             if a.preset == "cpu-smol":
                 from qevolve_cli.models.pretrained import init_pretrained
@@ -175,9 +188,13 @@ def main() -> None:
                 from benchmarks.bench_policy import expert_data
 
                 data = expert_data(a.data, n, Path(tmp))
-            print(json.dumps({"benchmark": "critic_value_forward_ab", "device": "cpu", "model": name,
+            if a.value_forward_ab:
+                key, names = "share_value_forward", ("two_forwards", "shared_forward")
+            else:
+                key, names = "shared_prefix", ("prefix_per_row", "prefix_once")
+            print(json.dumps({"benchmark": f"critic_{key}_ab", "device": "cpu", "model": name,
                               "preset": a.preset, "data": a.data, "trajectories": n, "threads": a.threads,
-                              "loadavg_start": os.getloadavg(), **value_forward_ab(a, model, data),
+                              "loadavg_start": os.getloadavg(), **config_ab(a, model, data, key, names),
                               "loadavg_end": os.getloadavg()}))
         return
     import torch

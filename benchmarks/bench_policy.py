@@ -30,6 +30,11 @@ interleaved, in fresh processes, on synthetic TextCraft-like data or an environm
 
     python benchmarks/bench_policy.py --logits-ab --data lamps-habit --trajectories 32 --epochs 2
     python benchmarks/bench_policy.py --logits-ab --size smollm2 --lora --data lamps --trajectories 8 --epochs 1 --threads 2
+
+``--shared-prefix-ab`` does the same with ``shared_prefix: false`` and ``true`` (the prompt prefix every sequence
+of a micro-batch shares, the system prompt and the in-context example, computed once; the same loss):
+
+    python benchmarks/bench_policy.py --shared-prefix-ab --size smollm2 --lora --data lamps --trajectories 16 --epochs 1 --threads 2
 """
 from __future__ import annotations
 
@@ -80,7 +85,8 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _run_policy(objective, data, model, out, threads, epochs, lora, logits, q):
+def _run_policy(objective, data, model, out, threads, epochs, lora, overrides, q):
+    """``overrides``: more PolicyConfig fields (an A/B's arm)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -88,7 +94,7 @@ def _run_policy(objective, data, model, out, threads, epochs, lora, logits, q):
 
     cfg = PolicyConfig(objective=objective, epochs=epochs, lr=1e-3, micro_batch_tokens=4096, micro_batch_size=8,
                        warmup_ratio=0.0, bc_source="all", lora=lora, lora_r=16, lora_alpha=32,
-                       lora_target_modules="all-linear", logits=logits)
+                       lora_target_modules="all-linear", **overrides)
     m = train_policy(cfg, data, model, out, quiet=True)
     q.put({"tokens_per_s": m["tokens_per_s"], "train_tokens": m["train_tokens"], "seconds": m["train_seconds"],
            "optimizer_steps": m["optimizer_steps"], "nll_before": m["nll_before"], "nll_after": m["nll_after"],
@@ -223,27 +229,39 @@ def expert_data(env: str, n: int, td: Path) -> Path:
     return td / "data.parquet"
 
 
-def logits_ab(a, model, data: Path, td: Path, epochs: int) -> dict:
-    """Each objective trained twice in fresh processes on the same data: ``logits: all`` (the output layer at
-    every position) and ``logits: auto`` (at the loss positions only); tokens/s, the final NLL of both."""
+def config_ab(a, model, data: Path, td: Path, epochs: int, key: str, arms: tuple) -> dict:
+    """Each objective trained twice per arm (``PolicyConfig.<key>`` = each of ``arms``), interleaved, in fresh
+    processes on the same data -> tokens/s of the better run of each arm, the speed-up of the second arm over
+    the first, and the final NLLs (equal up to rounding where the arms compute the same loss)."""
     import polars as pl
 
-    from qevolve_cli.policy.data import build_examples
-    from qevolve_cli.tokenizer import load_tokenizer
+    from qevolve_cli.models.kv import shared_prefix_len
+    from qevolve_cli.policy.data import build_examples, collate
+    from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
-    exs = build_examples(pl.read_parquet(data), load_tokenizer(model), 4096)
+    tok = load_tokenizer(model)
+    exs = build_examples(pl.read_parquet(data), tok, 4096)
     res: dict = {"sequences": len(exs), "mean_tokens": round(sum(len(e) for e in exs) / len(exs), 1),
                  "loss_token_share": round(sum(int(e.loss_mask.sum()) for e in exs) / sum(len(e) for e in exs), 4),
                  "loadavg_start": os.getloadavg()}
+    if key == "shared_prefix":  # how much of a micro-batch the shared prefix is (batches of 4 sequences)
+        shared = total = 0
+        for i in range(0, len(exs) - 1, 4):
+            b = collate(exs[i : i + 4], pad_id_of(tok))
+            lens = b["attention_mask"].sum(dim=1).tolist()
+            p = shared_prefix_len(b["input_ids"], lens, b["mask"])
+            shared, total = shared + p * (len(lens) - 1), total + sum(lens)
+        res["tokens_saved_share_batches_of_4"] = round(shared / max(1, total), 4)
     for obj in a.objectives.split(","):
-        r = {}
-        for logits in ("all", "auto", "all", "auto"):  # interleaved, twice: the machine's load drifts
-            m = _in_child(_run_policy, obj, str(data), str(model), str(td / f"{obj}_{logits}"), a.threads, epochs,
-                          a.lora, logits)
-            r.setdefault(logits, []).append(m)
+        r: dict = {}
+        for v in arms + arms:  # interleaved, twice: the machine's load drifts
+            m = _in_child(_run_policy, obj, str(data), str(model), str(td / f"{obj}_{v}"), a.threads, epochs,
+                          a.lora, {key: v})
+            r.setdefault(str(v), []).append(m)
         best = {k: max(v, key=lambda m: m["tokens_per_s"]) for k, v in r.items()}
-        res[obj] = {"all": best["all"], "auto": best["auto"],
-                    "speedup": round(best["auto"]["tokens_per_s"] / best["all"]["tokens_per_s"], 2),
+        first, second = str(arms[0]), str(arms[1])
+        res[obj] = {first: best[first], second: best[second],
+                    "speedup": round(best[second]["tokens_per_s"] / best[first]["tokens_per_s"], 2),
                     "tokens_per_s_runs": {k: [m["tokens_per_s"] for m in v] for k, v in r.items()}}
         print(f"{obj}: {res[obj]['speedup']}x {res[obj]['tokens_per_s_runs']}", file=sys.stderr, flush=True)
     res["loadavg_end"] = os.getloadavg()
@@ -279,7 +297,9 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true", help="fp32/bf16 x padded/per_sequence on lamps data (issue 31)")
     ap.add_argument("--logits-ab", action="store_true", help="logits: all vs auto (the output layer at the loss "
                                                              "positions only), each objective, same data")
-    ap.add_argument("--data", default="synthetic", help="with --logits-ab: synthetic (TextCraft-like, --trajectories "
+    ap.add_argument("--shared-prefix-ab", action="store_true", help="shared_prefix: false vs true (the prompt "
+                    "prefix every sequence of a micro-batch shares computed once), each objective, same data")
+    ap.add_argument("--data", default="synthetic", help="with --logits-ab / --shared-prefix-ab: synthetic (TextCraft-like, --trajectories "
                                                         "x --steps) or an environment's expert trajectories (lamps, "
                                                         "lamps-habit, textcraft, ...: the first --trajectories)")
     a = ap.parse_args()
@@ -303,23 +323,24 @@ def main() -> None:
                               else f"tiny llama ({a.size})", "lora": "r16 all-linear", "threads": a.threads,
                               "env": "lamps (expert, train split)", **grid(a, model, td)}))
             return
-        if a.logits_ab:
+        if a.logits_ab or a.shared_prefix_ab:
             if a.data == "synthetic":
                 data = td / "data.parquet"
                 make_table(data, n_traj, steps)
             else:
                 data = expert_data(a.data, n_traj, td)
-            print(json.dumps({"benchmark": "policy_logits_cpu", "model": "SmolLM2-135M-Instruct" if a.size == "smollm2"
+            key, arms = ("logits", ("all", "auto")) if a.logits_ab else ("shared_prefix", (False, True))
+            print(json.dumps({"benchmark": f"policy_{key}_cpu", "model": "SmolLM2-135M-Instruct" if a.size == "smollm2"
                               else f"tiny llama ({a.size})", "lora": "r16 all-linear" if a.lora else None,
                               "threads": a.threads, "data": a.data, "trajectories": n_traj, "epochs": epochs,
-                              **logits_ab(a, model, data, td, epochs)}))
+                              **config_ab(a, model, data, td, epochs, key, arms)}))
             return
         data = td / "data.parquet"
         make_table(data, n_traj, steps)
         base = _in_child(_run_baseline, str(data), str(model), a.threads, epochs, a.lora)
         res = {}
         for obj in a.objectives.split(","):
-            r = _in_child(_run_policy, obj, str(data), str(model), str(td / obj), a.threads, epochs, a.lora, "auto")
+            r = _in_child(_run_policy, obj, str(data), str(model), str(td / obj), a.threads, epochs, a.lora, {})
             r["vs_baseline"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
             res[obj] = r
     print(json.dumps({

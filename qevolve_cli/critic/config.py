@@ -20,8 +20,8 @@ from qevolve_cli.rewards import CRITIC_REDUCTIONS
 
 @dataclass
 class CriticConfig(ConfigBase):
-    # added 2026-11-27 (time_*), 2026-11-28 (share_value_forward): older runs resume
-    HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale", "share_value_forward")
+    # added 2026-11-27 (time_*), 2026-11-28 (share_value_forward, shared_prefix): older runs resume
+    HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale", "share_value_forward", "shared_prefix")
 
     # optimisation
     epochs: int = field(20, help="Passes over the trajectories (paper: 20 in iteration 1, 2 in iteration 2).", ge=1)
@@ -84,6 +84,11 @@ class CriticConfig(ConfigBase):
                               "kernel), the same losses; auto: per_sequence on CPU, padded on GPU "
                               "(docs/performance.md).", choices=("auto", "padded", "per_sequence"))
     gradient_checkpointing: bool = field(False, help="Recompute backbone activations in the backward pass (long sequences on GPU).")
+    shared_prefix: bool = field(True, help="With one forward per trajectory (batch_layout): the prompt prefix "
+                                "every trajectory of the batch shares (system prompt, in-context example) is "
+                                "computed once and each trajectory's rest runs on its keys and values; the same "
+                                "values up to rounding (docs/performance.md). Off under gradient_checkpointing and on models under 20 M "
+                                "parameters, where the extra forward costs more than it saves.")
     share_value_forward: bool = field(True, help="schedule both: one value-adapter forward per batch for V(s') of the "
                                       "Q update and V(s) of the V update (3 backbone forwards a batch, not 4; the "
                                       "same weights); holds its activations during the Q update (SmolLM2 on lamps: "

@@ -28,6 +28,14 @@ from qevolve_cli import precision as precision_rule
 from qevolve_cli.algos import ema_update_
 from qevolve_cli.device import resolve_device
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.models.kv import (
+    cache_kwarg,
+    cache_layers,
+    cache_of_layers,
+    out_cache,
+    prefix_pays,
+    shared_prefix_len,
+)
 from qevolve_cli.training.batching import per_sequence_layout
 
 ADAPTERS = ("value", "q", "q_target")
@@ -106,6 +114,7 @@ class CriticModel(nn.Module):
         self._active: str | None = None
         self._trainable: list[nn.Parameter] = []
         self.per_sequence = False  # one forward per row of a padded batch (batch_layout; see pooled)
+        self.shared_prefix = False  # with per_sequence: the rows' common prompt prefix computed once (see pooled)
 
     def enable_training(self) -> None:
         """Adapters value and q (and all heads but the EMA targets) get gradients; q_target never does."""
@@ -148,18 +157,23 @@ class CriticModel(nn.Module):
         model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model), cfg.time_scale,
                     cfg.time_input)
         model.per_sequence = per_sequence_layout(getattr(cfg, "batch_layout", "padded"), device.type)
+        # a checkpointed backbone in training mode drops the cache a row's rest would start from
+        model.shared_prefix = (bool(getattr(cfg, "shared_prefix", True)) and not cfg.gradient_checkpointing
+                               and prefix_pays(base))
         model.heads.to(device=device, dtype=torch.float32)
         model.hard_update_target()
         return model
 
     @classmethod
     def load(cls, critic_dir: str | Path, base_model: str | Path | None = None, device: str | torch.device = "auto",
-             dtype: str | torch.dtype = "auto", trainable: bool = False, batch_layout: str = "auto") -> CriticModel:
+             dtype: str | torch.dtype = "auto", trainable: bool = False, batch_layout: str = "auto",
+             shared_prefix: bool = True) -> CriticModel:
         """Load a saved critic; the base model comes from ``critic.json`` unless ``base_model`` is given.
 
         ``batch_layout`` as in training (:func:`qevolve_cli.training.batching.per_sequence_layout`): ``auto``
         scores a padded batch one row at a time on CPU, where the padded forward's attention mask forces
-        the unfused attention kernel (quadratic memory in the trajectory's length)."""
+        the unfused attention kernel (quadratic memory in the trajectory's length); ``shared_prefix``: those
+        rows' common prompt prefix computed once (:meth:`pooled`)."""
         from peft import PeftModel
         from safetensors.torch import load_file
 
@@ -184,6 +198,7 @@ class CriticModel(nn.Module):
         model = cls(peft_model, int(meta["hidden_size"]), int(meta["head_hidden"]), str(base_dir),
                     float(meta.get("time_scale", 0.0)), str(meta.get("time_input", "none")))
         model.per_sequence = per_sequence_layout(batch_layout, dev.type)
+        model.shared_prefix = shared_prefix and prefix_pays(base)
         model.heads.to(device=dev, dtype=torch.float32)
         state = load_file(str(d / HEADS_FILE), device=str(dev))
         missing = model.heads.load_state_dict(state, strict=False)
@@ -276,18 +291,38 @@ class CriticModel(nn.Module):
 
         With ``per_sequence`` (set from ``batch_layout``) a right-padded batch of unequal rows runs one
         forward per row cut to its own length: no padding is computed and the states at the real positions
-        are those of the padded forward (causal attention; positions lie inside their row)."""
+        are those of the padded forward (causal attention; positions lie inside their row). With
+        ``shared_prefix`` too, the leading tokens every row shares (:func:`shared_prefix_len`: the system
+        prompt and in-context example) run once, and each row's rest runs on their keys and values."""
         lens = attention_mask.sum(dim=1).tolist() if self.per_sequence else []
-        if lens and min(lens) < input_ids.shape[1]:
+        if lens and (min(lens) < input_ids.shape[1] or self.shared_prefix):
+            P = shared_prefix_len(input_ids, lens) if self.shared_prefix else 0
+            pre = self._prefix(adapter, input_ids[:1, :P]) if P else None
             outs: list[list[torch.Tensor]] = [[] for _ in positions]
             for b, n in enumerate(lens):
                 row = input_ids[b : b + 1, :n]
-                h = self.hidden(adapter, row, torch.ones_like(row))
+                h = self.hidden(adapter, row, torch.ones_like(row)) if pre is None else self._on_prefix(row, *pre)
                 for o, p in zip(outs, positions, strict=True):
                     o.append(pool_last_token(h, p[b : b + 1]).float())
             return [torch.cat(o, dim=0) for o in outs]
         h = self.hidden(adapter, input_ids, attention_mask)
         return [pool_last_token(h, p).float() for p in positions]
+
+    def _prefix(self, adapter: str, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The shared prefix's forward with ``adapter`` -> (last hidden states (1, P, d), per-layer keys/values),
+        in the graph when gradients are on."""
+        self.activate(adapter)
+        out = self._decoder()(input_ids=ids, use_cache=True)
+        return out.last_hidden_state, cache_layers(out_cache(out))
+
+    def _on_prefix(self, row: torch.Tensor, h_pre: torch.Tensor, layers: list) -> torch.Tensor:
+        """Last hidden states (1, n, d) of ``row`` whose first P tokens are the prefix of :meth:`_prefix`: the
+        prefix's states, then the rest's forward on a cache that starts from the prefix's keys and values
+        (the active adapter is the prefix's). Equal to the whole row's forward up to rounding."""
+        P = h_pre.shape[1]
+        dec = self._decoder()
+        out = dec(input_ids=row[:, P:], use_cache=True, **{cache_kwarg(dec): cache_of_layers(layers)})
+        return torch.cat([h_pre, out.last_hidden_state], dim=1)
 
     @property
     def time_column(self) -> str:

@@ -19,7 +19,7 @@ OBJECTIVES = ("bc", "bppo", "awr", "rft", "dpo")
 
 @dataclass
 class PolicyConfig(ConfigBase):
-    HASH_OMIT_AT_DEFAULT = ("logits",)  # added 2026-11-28: older runs resume
+    HASH_OMIT_AT_DEFAULT = ("logits", "shared_prefix")  # added 2026-11-28: older runs resume
     objective: str = field("bc", help="Training objective: bc (NLL on expert actions), bppo, awr, rft (NLL on "
                                       "expert + successful self trajectories), dpo (ETO trajectory preferences).",
                            choices=OBJECTIVES)
@@ -43,6 +43,11 @@ class PolicyConfig(ConfigBase):
                               "one forward per sequence (no padding computed, no attention mask: the fused causal "
                               "kernel), the same loss; auto: per_sequence on CPU, padded on GPU (docs/performance.md).",
                               choices=("auto", "padded", "per_sequence"))
+    shared_prefix: bool = field(True, help="With one forward per sequence (batch_layout): the prompt prefix every "
+                                "sequence of the micro-batch shares (system prompt, in-context example) is computed "
+                                "once and each sequence's rest runs on its keys and values; the same loss up to "
+                                "rounding (docs/performance.md). Needs logits auto; off under "
+                                "gradient_checkpointing and on models under 20 M parameters.")
     logits: str = field("auto", help="auto: the output layer and the log-softmax run only at the positions the "
                         "loss reads (the action and thought tokens), where the model supports it (transformers' "
                         "logits_to_keep as a mask); all: at every position. The same loss and gradient; auto is "

@@ -2,13 +2,37 @@
 reports (NLL of the action tokens, per-step log-prob changes, dpo's pair margins)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from qevolve_cli.policy.data import PolicyExample, collate
 
 _MASKED_OK: dict[type, bool] = {}  # model class -> whether it takes the mask (masked_logits_supported)
+
+
+class Layout(NamedTuple):
+    """How the log-prob forwards lay out a batch, in the order :func:`batch_logprobs` and
+    :func:`compute_logprobs` take them (``*layout``): one forward per sequence (``batch_layout``), logits at
+    every position (``logits: all``), the rows' shared prompt prefix computed once (``shared_prefix``)."""
+
+    per_sequence: bool = False
+    all_logits: bool = False
+    shared_prefix: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any, device: str, model: Any = None) -> Layout:
+        """From a :class:`PolicyConfig` on ``device`` for ``model``. The shared prefix needs one forward per
+        sequence and masked logits, not activation checkpointing (a checkpointed model in training mode drops
+        the cache), and a model large enough for it to pay (:func:`qevolve_cli.models.kv.prefix_pays`; None:
+        assumed)."""
+        from qevolve_cli.models.kv import prefix_pays
+        from qevolve_cli.training.batching import per_sequence_layout
+
+        per_seq = per_sequence_layout(cfg.batch_layout, device)
+        all_logits = cfg.logits == "all"
+        shared = per_seq and not all_logits and cfg.shared_prefix and not cfg.gradient_checkpointing
+        return cls(per_seq, all_logits, bool(shared and (model is None or prefix_pays(model))))
 
 
 def masked_logits_supported(model) -> bool:
@@ -42,7 +66,8 @@ def masked_logits_supported(model) -> bool:
     return _MASKED_OK[key]
 
 
-def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, all_logits: bool = False):
+def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, all_logits: bool = False,
+                   shared_prefix: bool = False):
     """Per-token log pi of the next token, (B, T) prediction-aligned, at the positions of the batch's loss
     ``mask``; the other positions hold 0 (nothing reads them: every loss, ratio and statistic is masked). A
     batch without ``mask`` gets every position.
@@ -51,27 +76,52 @@ def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, 
     where the model supports it (:func:`masked_logits_supported`) and ``all_logits`` is off; the values are
     those of the full forward. ``per_sequence``: one forward per row, cut to its own length (the batch is
     right-padded), so no padding position is computed and no attention mask is needed; the real positions hold
-    the same values as the padded forward (causal attention)."""
+    the same values as the padded forward (causal attention). ``shared_prefix`` (with ``per_sequence`` and
+    masked logits): the leading tokens every row shares before its first masked position (the system prompt
+    and in-context example: :func:`qevolve_cli.models.kv.shared_prefix_len`) run once, and each row's rest
+    runs on their keys and values; the same values up to rounding."""
     import torch
+
+    from qevolve_cli.models.kv import shared_prefix_len
 
     ids = batch["input_ids"].to(device)
     att = batch["attention_mask"]
     mask = batch.get("mask")
     keep = None if all_logits or mask is None or not masked_logits_supported(model) else mask.to(device)
     lens = att.sum(dim=1).tolist()
-    if per_sequence and min(lens) < ids.shape[1]:
+    P = shared_prefix_len(ids, lens, keep) if per_sequence and shared_prefix and keep is not None else 0
+    if per_sequence and (P or min(lens) < ids.shape[1]):
         T = ids.shape[1]
+        layers = _prefix_layers(model, ids[:1, :P]) if P else None
         rows = []
         for b, n in enumerate(lens):
-            lp = _logprobs(model, ids[b : b + 1, :n], None, None if keep is None else keep[b : b + 1, :n])
-            rows.append(torch.nn.functional.pad(lp, (0, T - n)))
+            kb = None if keep is None else keep[b : b + 1, :n]
+            if layers is None:
+                lp = _logprobs(model, ids[b : b + 1, :n], None, kb)
+            else:
+                lp = _logprobs(model, ids[b : b + 1, P:n], None, kb[:, P:], layers)
+            rows.append(torch.nn.functional.pad(lp, (P if layers is not None else 0, T - n)))
         return torch.cat(rows, dim=0)
     return _logprobs(model, ids, att.to(device), keep)
 
 
-def _logprobs(model, ids, att, keep):
+def _prefix_layers(model, ids):
+    """The shared prefix's per-layer keys and values (in the graph when gradients are on); one logit is
+    computed (the prefix's positions are never read: they end before every masked position)."""
+    from qevolve_cli.models.kv import cache_layers, out_cache
+
+    return cache_layers(out_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1)))
+
+
+def _logprobs(model, ids, att, keep, prefix=None):
     from qevolve_cli.algos import masked_logprobs, sequence_logprobs
 
+    if prefix is not None:  # ids: a row's rest after the shared prefix, on a cache that starts from it
+        from qevolve_cli.models.kv import cache_kwarg, cache_of_layers
+
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=keep,
+                    **{cache_kwarg(model): cache_of_layers(prefix)})
+        return masked_logprobs(out.logits, ids, keep)
     if keep is None:
         return sequence_logprobs(model(input_ids=ids, attention_mask=att, use_cache=False).logits, ids)
     out = model(input_ids=ids, attention_mask=att, use_cache=False, logits_to_keep=keep)
@@ -79,7 +129,8 @@ def _logprobs(model, ids, att, keep):
 
 
 def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_tokens: int, device: str,
-                     autocast=None, per_sequence: bool = False, all_logits: bool = False) -> list[np.ndarray]:
+                     autocast=None, per_sequence: bool = False, all_logits: bool = False,
+                     shared_prefix: bool = False) -> list[np.ndarray]:
     """Log-probs of every example under ``model`` (eval mode, no grad) -> one (L,) array per example, at its loss
     positions (0 elsewhere: :func:`batch_logprobs`)."""
     import contextlib
@@ -95,7 +146,7 @@ def compute_logprobs(model, examples: list[PolicyExample], pad_id: int, max_toke
         for idx in token_budget_batches([len(e) for e in examples], max_tokens, 0, shuffle=False):
             batch = collate([examples[i] for i in idx], pad_id)
             with autocast() if autocast else contextlib.nullcontext():
-                lp = batch_logprobs(model, batch, device, per_sequence, all_logits).float().cpu().numpy()
+                lp = batch_logprobs(model, batch, device, per_sequence, all_logits, shared_prefix).float().cpu().numpy()
             for b, i in enumerate(idx):
                 res[i] = lp[b, : len(examples[i])].copy()
     if was_training:

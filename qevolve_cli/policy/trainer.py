@@ -48,7 +48,13 @@ from qevolve_cli.errors import QevolveError, TableError
 from qevolve_cli.models import enable_activation_checkpointing
 from qevolve_cli.policy.config import PolicyConfig
 from qevolve_cli.policy.data import PolicyExample, build_examples, collate, data_paths, load_policy_table
-from qevolve_cli.policy.logprobs import batch_logprobs, compute_logprobs, dpo_pair_stats, step_logprob_stats
+from qevolve_cli.policy.logprobs import (
+    Layout,
+    batch_logprobs,
+    compute_logprobs,
+    dpo_pair_stats,
+    step_logprob_stats,
+)
 from qevolve_cli.policy.model import apply_lora, check_model_dir, load_causal_lm, save_model
 from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
@@ -59,7 +65,7 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
 
     -> metrics. ``ref``: the frozen reference of bppo's KL and dpo (default: the starting policy).
     """
-    from qevolve_cli.training import make_backend, per_sequence_layout, train_loop
+    from qevolve_cli.training import make_backend, train_loop
 
     t_start = time.perf_counter()
     out = Path(out)
@@ -71,23 +77,23 @@ def train_policy(cfg: PolicyConfig, data: str | Path | Sequence[str | Path], mod
     df, table_info = load_policy_table(cfg, data)
     args = train_args(cfg, data, model_path, ref, out, quiet)
     backend = make_backend(args, cfg.grad_accum_steps)
-    per_seq = per_sequence_layout(cfg.batch_layout, backend.device)  # no padding computed (docs/performance.md)
     tok, policy, init_dtype = load_policy(cfg, model_path, backend.device)
+    layout = Layout.of(cfg, backend.device, policy)  # no padding computed, the shared prefix once (docs/performance.md)
 
     # 2. data
     pd = build_policy_data(cfg, df, table_info, tok, data_label(data))
     # a --ref that is the --model directory itself (evolve's iteration 1 and ETO: --model bc/policy --ref
     # bc/policy) has the starting policy's log-probs: one pass over the data, not two
-    lp = initial_logprobs(cfg, policy, pd, None if same_dir(ref, model_path) else ref, backend, per_seq)
+    lp = initial_logprobs(cfg, policy, pd, None if same_dir(ref, model_path) else ref, backend, layout)
 
     # 3. loop
-    result = train_loop(policy, partial(make_steps, cfg, pd), partial(policy_loss, cfg, pd, lp, per_seq), args,
+    result = train_loop(policy, partial(make_steps, cfg, pd), partial(policy_loss, cfg, pd, lp, layout), args,
                         micro_weight=pd.micro_weight, micro_tokens=pd.micro_tokens,
-                        hooks=policy_hooks(cfg, pd, lp, backend, per_seq, args.ckpt_dir), backend=backend)
+                        hooks=policy_hooks(cfg, pd, lp, backend, layout, args.ckpt_dir), backend=backend)
 
     # 4. save
     unwrapped = backend.unwrap(policy)
-    metrics = summarize(cfg, pd, lp, result, unwrapped, backend, per_seq,
+    metrics = summarize(cfg, pd, lp, result, unwrapped, backend, layout,
                         inputs={"device": backend.device, "data": pd.label, "model": str(model_path),
                                 "ref": str(ref) if ref is not None else None, "out": str(out)})
     write_output(cfg, backend, unwrapped, tok, init_dtype, out, args.ckpt_dir, metrics, t_start)
@@ -226,13 +232,13 @@ def same_dir(a: str | Path | None, b: str | Path) -> bool:
     return a is not None and Path(a).is_dir() and Path(a).resolve() == Path(b).resolve()
 
 
-def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, per_seq: bool) -> LogProbs:
+def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, layout: Layout) -> LogProbs:
     """Log-probs under the starting policy; pi_old (bppo) starts there; pi_ref (bppo, dpo) is ``--ref``'s, loaded,
-    measured and freed here (only the policy stays in memory), else the starting policy's. ``per_seq``: one
-    forward per sequence (``batch_layout``)."""
+    measured and freed here (only the policy stays in memory), else the starting policy's. ``layout``: the
+    forwards' layout (``batch_layout``, ``shared_prefix``, ``logits``)."""
     device = backend.device
     lp = LogProbs(init=compute_logprobs(policy, pd.examples, pd.pad_id, cfg.micro_batch_tokens, device,
-                                        backend.autocast, per_seq, cfg.logits == "all"))
+                                        backend.autocast, *layout))
     if cfg.objective in ("bppo", "dpo"):
         if cfg.objective == "bppo":
             lp.old = lp.init
@@ -241,7 +247,7 @@ def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, pe
 
             ref_model = load_causal_lm(ref, what="--ref").to(device)
             lp.ref = compute_logprobs(ref_model, pd.examples, pd.pad_id, cfg.micro_batch_tokens, device,
-                                      backend.autocast, per_seq, cfg.logits == "all")
+                                      backend.autocast, *layout)
             del ref_model
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -269,7 +275,7 @@ def make_steps(cfg: PolicyConfig, pd: PolicyData, epoch: int) -> list[list[list[
     return group_steps(mbs, cfg.grad_accum_steps)
 
 
-def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, per_seq: bool, m, idx: list[int], ctx: dict):
+def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, layout: Layout, m, idx: list[int], ctx: dict):
     """The objective's loss on one micro-batch -> (mean loss, metrics): bc / rft token NLL, awr, bppo (clipped
     ratio to pi_old, KL to pi_ref) or dpo (+ NLL of the chosen, ``dpo_nll_weight``); the losses are ``algos.py``'s."""
     from qevolve_cli.algos import awr_loss, bppo_loss, dpo_nll_loss, sequence_logratio, token_nll
@@ -278,7 +284,7 @@ def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, per_seq: bool, 
         rows = [pd.pairs[p][0] for p in idx] + [pd.pairs[p][1] for p in idx]
         batch = collate([pd.examples[i] for i in rows], pd.pad_id, cfg.thought_weight, None,
                         [lp.ref[i] for i in rows])
-        logp = batch_logprobs(m, batch, ctx["device"], per_seq, cfg.logits == "all").float()
+        logp = batch_logprobs(m, batch, ctx["device"], *layout).float()
         mask = batch["mask"].to(logp.device)
         ratio = sequence_logratio(logp, batch["logp_ref"].to(logp.device), mask)
         n = len(idx)
@@ -287,7 +293,7 @@ def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, per_seq: bool, 
     old = [lp.old[i] for i in idx] if lp.old is not None else None
     refl = [lp.ref[i] for i in idx] if lp.ref is not None else None
     batch = collate(exs, pd.pad_id, cfg.thought_weight, old, refl)
-    logp = batch_logprobs(m, batch, ctx["device"], per_seq, cfg.logits == "all").float()
+    logp = batch_logprobs(m, batch, ctx["device"], *layout).float()
     mask = batch["mask"].to(logp.device)
     tw = batch["token_weights"].to(logp.device)
     if cfg.objective in ("bc", "rft"):
@@ -300,7 +306,7 @@ def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, per_seq: bool, 
                      batch["logp_ref"].to(logp.device), cfg.kl_coef, cfg.kl_estimator)
 
 
-def policy_hooks(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, backend, per_seq: bool, ckpt_dir: Path | None):
+def policy_hooks(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, backend, layout: Layout, ckpt_dir: Path | None):
     """bppo refreshes pi_old from the current policy every ``old_refresh_steps`` optimiser steps; pi_old and pi_ref
     travel in the checkpoint."""
     from qevolve_cli.training import Hooks
@@ -308,7 +314,7 @@ def policy_hooks(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, backend, per_s
     def on_step(step: int, m) -> None:
         if cfg.objective == "bppo" and cfg.old_refresh_steps and step % cfg.old_refresh_steps == 0:
             lp.old = compute_logprobs(m, pd.examples, pd.pad_id, cfg.micro_batch_tokens, backend.device,
-                                      backend.autocast, per_seq, cfg.logits == "all")
+                                      backend.autocast, *layout)
 
     return Hooks(on_step=on_step, extra_state=lp.state_tensors,
                  load_extra_state=lambda extra: lp.load_state_tensors(extra, pd.examples, ckpt_dir))
@@ -317,13 +323,13 @@ def policy_hooks(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, backend, per_s
 # --------------------------------------------------------------------------- 4. save
 
 
-def summarize(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, result, unwrapped, backend, per_seq: bool,
+def summarize(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, result, unwrapped, backend, layout: Layout,
               inputs: dict[str, Any]) -> dict[str, Any]:
     """The run's metrics (``train_summary.json``, the return value): the loop's counters, the NLL of the action
     tokens and the per-step action log-prob change by advantage sign before / after, rft's and dpo's counts."""
     before = step_logprob_stats(pd.examples, lp.init)
     lp_final = compute_logprobs(unwrapped, pd.examples, pd.pad_id, cfg.micro_batch_tokens, backend.device,
-                                backend.autocast, per_seq, cfg.logits == "all")
+                                backend.autocast, *layout)
     after = step_logprob_stats(pd.examples, lp_final)
 
     def delta(sign: int) -> float | None:

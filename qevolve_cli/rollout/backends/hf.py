@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.models.kv import cache_kwarg, out_cache
 from qevolve_cli.precision import resolve_dtype
 from qevolve_cli.react import STOP
 from qevolve_cli.rollout.backends.base import (
@@ -99,21 +100,6 @@ def _preallocated_cache(layers: list[tuple[Any, Any]], length: int):
     cache.layers = [_BufferLayer(k, v, length) for k, v in layers]
     return cache
 
-
-
-def cache_kwarg(model: Any) -> str:
-    """The name under which the model's ``forward`` takes the KV cache: ``cache`` in current transformers
-    (``past_key_values`` is deprecated there, with a FutureWarning on every call), ``past_key_values``
-    in the older releases the vLLM venv pins."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _out_cache(out: Any) -> Any:
-    """The KV cache of a forward pass's output (``cache``, or ``past_key_values`` in older transformers)."""
-    c = getattr(out, "cache", None)
-    return c if c is not None else out.past_key_values
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -373,7 +359,7 @@ class HFBackend(Backend):
         if past is None:
             out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=dev), use_cache=True,
                              logits_to_keep=1)
-            layers = [(k, v) for k, v, *_ in _out_cache(out)]
+            layers = [(k, v) for k, v, *_ in out_cache(out)]
             if self.kv_reuse and key is not None:
                 self.kv.put_shared(ids, layers)  # later episodes' first prompts start from its common prefix
             return out.logits[0, -1].float(), layers
@@ -491,7 +477,7 @@ class HFBackend(Backend):
                 mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
                 out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
                                  use_cache=True, **{self._cache_kw: cache})
-                cache = _out_cache(out)
+                cache = out_cache(out)
                 pos = pos + 1
                 logits = out.logits[:, -1].float()
         return toks

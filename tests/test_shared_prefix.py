@@ -78,8 +78,9 @@ def _lora(tiny_model_dir):
 
 def test_policy_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
     """BPPO's log-probs, loss and LoRA gradients with the 48 shared tokens computed once == one whole forward
-    per row (fp32, 1e-5); the model reads 48 + sum(rests) tokens instead of 3 x 48 + sum(rests); a mask that
-    reads inside the shared tokens shortens the prefix and the values stay equal."""
+    per row (fp32, 1e-5); the model reads 48 + sum(rests) tokens instead of 3 x 48 + sum(rests); the same in
+    the padded layout (48 + 3 x (T - 48) instead of 3 x T); a mask that reads inside the shared tokens
+    shortens the prefix and the values stay equal."""
     from qevolve_cli.algos import bppo_loss
     from qevolve_cli.policy.logprobs import batch_logprobs
 
@@ -97,10 +98,10 @@ def test_policy_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
     with torch.no_grad():
         old = batch_logprobs(model, batch, "cpu", True) - 0.05
 
-    def run(shared, b=batch):
+    def run(shared, b=batch, per_sequence=True):
         model.zero_grad(set_to_none=True)
         count = _TokenCount(model)
-        lp = batch_logprobs(model, b, "cpu", True, False, shared)
+        lp = batch_logprobs(model, b, "cpu", per_sequence, False, shared)
         count.h.remove()
         loss, _ = bppo_loss(lp, old, adv, b["mask"], torch.ones_like(adv), 0.2, 0.2, old, 0.0, "k3")
         loss.backward()
@@ -117,6 +118,17 @@ def test_policy_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
     assert all(float(g.abs().max()) > 0 for n, g in g_row.items() if "lora_A" in n)
     for n in g_row:
         torch.testing.assert_close(g_sh[n], g_row[n], atol=1e-5, rtol=1e-4)
+    # the padded layout (GPU): the rests as one right-padded batch on the prefix's keys and values, B times
+    lp_pad, loss_pad, g_pad, n_pad = run(False, per_sequence=False)
+    lp_psh, loss_psh, g_psh, n_psh = run(True, per_sequence=False)
+    T = ids.shape[1]
+    assert n_pad == 3 * T and n_psh == P + 3 * (T - P)
+    torch.testing.assert_close(lp_psh[mask], lp_row[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp_psh[mask], lp_pad[mask], atol=1e-5, rtol=1e-5)
+    assert torch.all(lp_psh[~mask] == 0)
+    torch.testing.assert_close(loss_psh, loss_row, atol=1e-6, rtol=1e-5)
+    for n in g_row:
+        torch.testing.assert_close(g_psh[n], g_row[n], atol=1e-5, rtol=1e-4)
     # a loss position inside the shared tokens (row 1 at 40): the prefix stops there, the values stay equal
     mask2 = mask.clone()
     mask2[1, 40] = True
@@ -131,7 +143,7 @@ def test_policy_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
     ("per_sequence", "auto", False, (True, False, True)),
     ("per_sequence", "all", False, (True, True, False)),   # the prefix needs masked logits
     ("per_sequence", "auto", True, (True, False, False)),  # a checkpointed model drops the cache
-    ("padded", "auto", False, (False, False, False)),
+    ("padded", "auto", False, (False, False, True)),     # the padded batch of the rests on the prefix
 ])
 def test_policy_layout_from_config(layout, logits, ckpt, expect):
     from qevolve_cli.policy.config import PolicyConfig
@@ -164,7 +176,8 @@ def test_the_prefix_is_shared_on_models_where_it_pays(tiny_model_dir):
 
 def test_critic_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
     """The critic's pooled states (positions inside and after the shared tokens), its V loss and the value
-    adapter's gradients: the prefix once == one whole forward per row; the prefix's tokens are read once."""
+    adapter's gradients: the prefix once == one whole forward per row, in both layouts (per sequence, and
+    the padded batch of the rests on the prefix's keys and values); the prefix's tokens are read once."""
     from qevolve_cli.algos import critic_v_loss
     from qevolve_cli.critic.config import load_critic_config
     from qevolve_cli.critic.model import CriticModel
@@ -187,8 +200,8 @@ def test_critic_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
     qbar = torch.randn(pos.shape, generator=torch.Generator().manual_seed(4))
     base = critic.backbone.get_base_model()
     outs = {}
-    for shared in (False, True):
-        critic.shared_prefix = shared
+    for per_sequence, shared in ((True, False), (True, True), (False, False), (False, True)):
+        critic.per_sequence, critic.shared_prefix = per_sequence, shared
         critic.backbone.zero_grad(set_to_none=True)
         critic.heads.zero_grad(set_to_none=True)
         count = _TokenCount(base)
@@ -199,12 +212,16 @@ def test_critic_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
         loss = critic_v_loss(v, qbar, qbar, w, step_mask, 0.7, "traj_sum")
         loss.backward()
         grads = {n: p.grad.clone() for n, p in critic.adapter_params("value") if p.grad is not None}
-        outs[shared] = (h_v.detach(), h_next.detach(), h_q.detach(), loss.detach(), grads, count.n)
-    a, b = outs[False], outs[True]
-    assert a[5] == 2 * sum(lengths) and b[5] == 2 * (P + sum(rests))
-    for x, y in zip(a[:4], b[:4], strict=True):
-        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
-    assert a[4].keys() == b[4].keys() and len(a[4]) > 4
-    assert any(float(g.abs().max()) > 0 for g in a[4].values())
-    for n in a[4]:
-        torch.testing.assert_close(b[4][n], a[4][n], atol=1e-5, rtol=1e-4)
+        outs[per_sequence, shared] = (h_v.detach(), h_next.detach(), h_q.detach(), loss.detach(), grads, count.n)
+    a = outs[True, False]
+    T = ids.shape[1]
+    assert a[5] == 2 * sum(lengths) and outs[True, True][5] == 2 * (P + sum(rests))
+    assert outs[False, False][5] == 2 * 3 * T and outs[False, True][5] == 2 * (P + 3 * (T - P))
+    assert any(float(g.abs().max()) > 0 for g in a[4].values()) and len(a[4]) > 4
+    for key in ((True, True), (False, False), (False, True)):
+        b = outs[key]
+        for x, y in zip(a[:4], b[:4], strict=True):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+        assert a[4].keys() == b[4].keys()
+        for n in a[4]:
+            torch.testing.assert_close(b[4][n], a[4][n], atol=1e-5, rtol=1e-4)

@@ -84,10 +84,10 @@ class CriticConfig(ConfigBase):
                               "kernel), the same losses; auto: per_sequence on CPU, padded on GPU "
                               "(docs/performance.md).", choices=("auto", "padded", "per_sequence"))
     gradient_checkpointing: bool = field(False, help="Recompute backbone activations in the backward pass (long sequences on GPU).")
-    shared_prefix: bool = field(True, help="With one forward per trajectory (batch_layout): the prompt prefix "
-                                "every trajectory of the batch shares (system prompt, in-context example) is "
-                                "computed once and each trajectory's rest runs on its keys and values; the same "
-                                "values up to rounding (docs/performance.md). Off under gradient_checkpointing and on models under 20 M "
+    shared_prefix: bool = field(True, help="The prompt prefix every trajectory of the batch shares (system prompt, "
+                                "in-context example) is computed once, and each trajectory's rest (or the padded "
+                                "batch of the rests) runs on its keys and values; the same values up to rounding "
+                                "(docs/performance.md). Off under gradient_checkpointing and on models under 20 M "
                                 "parameters, where the extra forward costs more than it saves.")
     share_value_forward: bool = field(True, help="schedule both: one value-adapter forward per batch for V(s') of the "
                                       "Q update and V(s) of the V update (3 backbone forwards a batch, not 4; the "

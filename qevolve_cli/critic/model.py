@@ -114,7 +114,7 @@ class CriticModel(nn.Module):
         self._active: str | None = None
         self._trainable: list[nn.Parameter] = []
         self.per_sequence = False  # one forward per row of a padded batch (batch_layout; see pooled)
-        self.shared_prefix = False  # with per_sequence: the rows' common prompt prefix computed once (see pooled)
+        self.shared_prefix = False  # the rows' common prompt prefix computed once (see pooled)
 
     def enable_training(self) -> None:
         """Adapters value and q (and all heads but the EMA targets) get gradients; q_target never does."""
@@ -292,12 +292,13 @@ class CriticModel(nn.Module):
         With ``per_sequence`` (set from ``batch_layout``) a right-padded batch of unequal rows runs one
         forward per row cut to its own length: no padding is computed and the states at the real positions
         are those of the padded forward (causal attention; positions lie inside their row). With
-        ``shared_prefix`` too, the leading tokens every row shares (:func:`shared_prefix_len`: the system
-        prompt and in-context example) run once, and each row's rest runs on their keys and values."""
-        lens = attention_mask.sum(dim=1).tolist() if self.per_sequence else []
-        if lens and (min(lens) < input_ids.shape[1] or self.shared_prefix):
-            P = shared_prefix_len(input_ids, lens) if self.shared_prefix else 0
-            pre = self._prefix(adapter, input_ids[:1, :P]) if P else None
+        ``shared_prefix`` (either layout), the leading tokens every row shares (:func:`shared_prefix_len`:
+        the system prompt and in-context example) run once, and each row's rest (or the padded batch of
+        the rests) runs on their keys and values."""
+        lens = attention_mask.sum(dim=1).tolist()
+        P = shared_prefix_len(input_ids, lens) if self.shared_prefix else 0
+        pre = self._prefix(adapter, input_ids[:1, :P]) if P else None
+        if self.per_sequence and (pre is not None or min(lens) < input_ids.shape[1]):
             outs: list[list[torch.Tensor]] = [[] for _ in positions]
             for b, n in enumerate(lens):
                 row = input_ids[b : b + 1, :n]
@@ -305,7 +306,10 @@ class CriticModel(nn.Module):
                 for o, p in zip(outs, positions, strict=True):
                     o.append(pool_last_token(h, p[b : b + 1]).float())
             return [torch.cat(o, dim=0) for o in outs]
-        h = self.hidden(adapter, input_ids, attention_mask)
+        if pre is not None:
+            h = self._on_prefix(input_ids, *pre, attention_mask=attention_mask)
+        else:
+            h = self.hidden(adapter, input_ids, attention_mask)
         return [pool_last_token(h, p).float() for p in positions]
 
     def _prefix(self, adapter: str, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -315,13 +319,19 @@ class CriticModel(nn.Module):
         out = self._decoder()(input_ids=ids, use_cache=True)
         return out.last_hidden_state, cache_layers(out_cache(out))
 
-    def _on_prefix(self, row: torch.Tensor, h_pre: torch.Tensor, layers: list) -> torch.Tensor:
-        """Last hidden states (1, n, d) of ``row`` whose first P tokens are the prefix of :meth:`_prefix`: the
-        prefix's states, then the rest's forward on a cache that starts from the prefix's keys and values
-        (the active adapter is the prefix's). Equal to the whole row's forward up to rounding."""
-        P = h_pre.shape[1]
+    def _on_prefix(self, rows: torch.Tensor, h_pre: torch.Tensor, layers: list,
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states (B, n, d) of ``rows`` (B, n) whose first P tokens are the prefix of :meth:`_prefix`:
+        the prefix's states, then the rest's forward on a cache that starts from the prefix's keys and values
+        (the active adapter is the prefix's; B > 1: a right-padded batch, ``attention_mask`` (B, n) over the
+        prefix and the rest). Equal to the rows' whole forward up to rounding."""
+        B, P = rows.shape[0], h_pre.shape[1]
+        if B > 1:
+            layers = [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in layers]
+            h_pre = h_pre.expand(B, -1, -1)
         dec = self._decoder()
-        out = dec(input_ids=row[:, P:], use_cache=True, **{cache_kwarg(dec): cache_of_layers(layers)})
+        out = dec(input_ids=rows[:, P:], attention_mask=attention_mask, use_cache=True,
+                  **{cache_kwarg(dec): cache_of_layers(layers)})
         return torch.cat([h_pre, out.last_hidden_state], dim=1)
 
     @property

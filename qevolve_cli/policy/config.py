@@ -43,9 +43,9 @@ class PolicyConfig(ConfigBase):
                               "one forward per sequence (no padding computed, no attention mask: the fused causal "
                               "kernel), the same loss; auto: per_sequence on CPU, padded on GPU (docs/performance.md).",
                               choices=("auto", "padded", "per_sequence"))
-    shared_prefix: bool = field(True, help="With one forward per sequence (batch_layout): the prompt prefix every "
-                                "sequence of the micro-batch shares (system prompt, in-context example) is computed "
-                                "once and each sequence's rest runs on its keys and values; the same loss up to "
+    shared_prefix: bool = field(True, help="The prompt prefix every sequence of the micro-batch shares (system "
+                                "prompt, in-context example) is computed once, and each sequence's rest (or the "
+                                "padded batch of the rests) runs on its keys and values; the same loss up to "
                                 "rounding (docs/performance.md). Needs logits auto; off under "
                                 "gradient_checkpointing and on models under 20 M parameters.")
     logits: str = field("auto", help="auto: the output layer and the log-softmax run only at the positions the "

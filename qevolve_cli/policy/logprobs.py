@@ -14,7 +14,8 @@ _MASKED_OK: dict[type, bool] = {}  # model class -> whether it takes the mask (m
 class Layout(NamedTuple):
     """How the log-prob forwards lay out a batch, in the order :func:`batch_logprobs` and
     :func:`compute_logprobs` take them (``*layout``): one forward per sequence (``batch_layout``), logits at
-    every position (``logits: all``), the rows' shared prompt prefix computed once (``shared_prefix``)."""
+    every position (``logits: all``), the rows' shared prompt prefix computed once (``shared_prefix``, in
+    either layout)."""
 
     per_sequence: bool = False
     all_logits: bool = False
@@ -22,16 +23,15 @@ class Layout(NamedTuple):
 
     @classmethod
     def of(cls, cfg: Any, device: str, model: Any = None) -> Layout:
-        """From a :class:`PolicyConfig` on ``device`` for ``model``. The shared prefix needs one forward per
-        sequence and masked logits, not activation checkpointing (a checkpointed model in training mode drops
-        the cache), and a model large enough for it to pay (:func:`qevolve_cli.models.kv.prefix_pays`; None:
-        assumed)."""
+        """From a :class:`PolicyConfig` on ``device`` for ``model``. The shared prefix needs masked logits, not
+        activation checkpointing (a checkpointed model in training mode drops the cache), and a model large
+        enough for it to pay (:func:`qevolve_cli.models.kv.prefix_pays`; None: assumed)."""
         from qevolve_cli.models.kv import prefix_pays
         from qevolve_cli.training.batching import per_sequence_layout
 
         per_seq = per_sequence_layout(cfg.batch_layout, device)
         all_logits = cfg.logits == "all"
-        shared = per_seq and not all_logits and cfg.shared_prefix and not cfg.gradient_checkpointing
+        shared = not all_logits and cfg.shared_prefix and not cfg.gradient_checkpointing
         return cls(per_seq, all_logits, bool(shared and (model is None or prefix_pays(model))))
 
 
@@ -42,19 +42,9 @@ def masked_logits_supported(model) -> bool:
     import inspect
     import sys
 
-    import torch
-    from transformers import PreTrainedModel
+    from qevolve_cli.models.kv import unwrap_pretrained
 
-    m = model
-    for _ in range(4):  # PEFT -> the base model; DeepSpeed engine / DDP -> .module
-        if isinstance(m, PreTrainedModel):
-            break
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()
-        elif isinstance(getattr(m, "module", None), torch.nn.Module):
-            m = m.module
-        else:
-            break
+    m = unwrap_pretrained(model)
     key = type(m)
     if key not in _MASKED_OK:
         mod = sys.modules.get(key.__module__)
@@ -76,10 +66,10 @@ def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, 
     where the model supports it (:func:`masked_logits_supported`) and ``all_logits`` is off; the values are
     those of the full forward. ``per_sequence``: one forward per row, cut to its own length (the batch is
     right-padded), so no padding position is computed and no attention mask is needed; the real positions hold
-    the same values as the padded forward (causal attention). ``shared_prefix`` (with ``per_sequence`` and
-    masked logits): the leading tokens every row shares before its first masked position (the system prompt
-    and in-context example: :func:`qevolve_cli.models.kv.shared_prefix_len`) run once, and each row's rest
-    runs on their keys and values; the same values up to rounding."""
+    the same values as the padded forward (causal attention). ``shared_prefix`` (with masked logits): the
+    leading tokens every row shares before its first masked position (the system prompt and in-context
+    example: :func:`qevolve_cli.models.kv.shared_prefix_len`) run once, and each row's rest (per sequence) or
+    the padded batch of the rests runs on their keys and values; the same values up to rounding."""
     import torch
 
     from qevolve_cli.models.kv import shared_prefix_len
@@ -89,7 +79,12 @@ def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, 
     mask = batch.get("mask")
     keep = None if all_logits or mask is None or not masked_logits_supported(model) else mask.to(device)
     lens = att.sum(dim=1).tolist()
-    P = shared_prefix_len(ids, lens, keep) if per_sequence and shared_prefix and keep is not None else 0
+    P = shared_prefix_len(ids, lens, keep) if shared_prefix and keep is not None else 0
+    if P and not per_sequence:  # the padded rests in one forward on the prefix's keys and values, B times
+        B = ids.shape[0]
+        layers = [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in _prefix_layers(model, ids[:1, :P])]
+        lp = _logprobs(model, ids[:, P:], att.to(device), keep[:, P:], layers)
+        return torch.nn.functional.pad(lp, (P, 0))
     if per_sequence and (P or min(lens) < ids.shape[1]):
         T = ids.shape[1]
         layers = _prefix_layers(model, ids[:1, :P]) if P else None
@@ -116,10 +111,10 @@ def _prefix_layers(model, ids):
 def _logprobs(model, ids, att, keep, prefix=None):
     from qevolve_cli.algos import masked_logprobs, sequence_logprobs
 
-    if prefix is not None:  # ids: a row's rest after the shared prefix, on a cache that starts from it
+    if prefix is not None:  # ids: the rests after the shared prefix, on a cache that starts from it; att (B, P + L)
         from qevolve_cli.models.kv import cache_kwarg, cache_of_layers
 
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=keep,
+        out = model(input_ids=ids, attention_mask=att, use_cache=True, logits_to_keep=keep,
                     **{cache_kwarg(model): cache_of_layers(prefix)})
         return masked_logprobs(out.logits, ids, keep)
     if keep is None:

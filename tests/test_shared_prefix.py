@@ -172,6 +172,14 @@ def test_the_prefix_is_shared_on_models_where_it_pays(tiny_model_dir):
                                            num_hidden_layers=4, num_attention_heads=8))
     assert big.num_parameters() > 20_000_000 and prefix_pays(big)
     assert Layout.of(PolicyConfig(batch_layout="per_sequence"), "cpu", big).shared_prefix
+    # sliding-window layers: one whole forward per row, as rollouts do
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        slid = Qwen2ForCausalLM(Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1024,
+                                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                                            use_sliding_window=True, sliding_window=64, max_window_layers=2))
+    assert slid.num_parameters() > 20_000_000 and not prefix_pays(slid)
 
 
 def test_critic_shared_prefix_equals_one_forward_per_row(tiny_model_dir):

@@ -20,9 +20,15 @@ SHARED_PREFIX_MIN_PARAMS = 20_000_000
 
 
 def prefix_pays(model: Any) -> bool:
-    """Whether computing a batch's shared prefix once is worth its extra forward call for ``model`` (wrapped
-    or not): it has at least :data:`SHARED_PREFIX_MIN_PARAMS` parameters."""
-    return unwrap_pretrained(model).num_parameters() >= SHARED_PREFIX_MIN_PARAMS
+    """Whether the trainers compute a batch's shared prefix once for ``model`` (wrapped or not): it has at
+    least :data:`SHARED_PREFIX_MIN_PARAMS` parameters (below that the extra forward call costs more than it
+    saves) and no sliding-window attention layers (a cache built from plain layers would hold their keys
+    past the window; such models keep one whole forward per row, as rollouts do)."""
+    m = unwrap_pretrained(model)
+    layer_types = getattr(getattr(m, "config", None), "layer_types", None) or []
+    if any("sliding" in str(t) for t in layer_types):
+        return False
+    return m.num_parameters() >= SHARED_PREFIX_MIN_PARAMS
 
 
 def unwrap_pretrained(model: Any) -> Any:

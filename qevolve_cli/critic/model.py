@@ -34,6 +34,7 @@ from qevolve_cli.models.kv import (
     cache_of_layers,
     out_cache,
     prefix_pays,
+    repeat_layers,
     shared_prefix_len,
 )
 from qevolve_cli.training.batching import per_sequence_layout
@@ -327,7 +328,7 @@ class CriticModel(nn.Module):
         prefix and the rest). Equal to the rows' whole forward up to rounding."""
         B, P = rows.shape[0], h_pre.shape[1]
         if B > 1:
-            layers = [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in layers]
+            layers = repeat_layers(layers, B)
             h_pre = h_pre.expand(B, -1, -1)
         dec = self._decoder()
         out = dec(input_ids=rows[:, P:], attention_mask=attention_mask, use_cache=True,

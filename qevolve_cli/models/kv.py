@@ -70,6 +70,12 @@ def cache_layers(cache: Any) -> list[tuple[Any, Any]]:
     return [(k, v) for k, v, *_ in cache]
 
 
+def repeat_layers(layers: list[tuple[Any, Any]], batch: int) -> list[tuple[Any, Any]]:
+    """Per layer (keys, values) of one sequence ``(1, heads, length, head_dim)`` as views for ``batch`` rows
+    (``expand``: no copy; gradients of every row flow back into the one sequence's tensors)."""
+    return [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in layers]
+
+
 def cache_of_layers(layers: list[tuple[Any, Any]]) -> Any:
     """A fresh ``DynamicCache`` that starts from ``layers`` (per layer (keys, values)), without copying them.
 

@@ -72,7 +72,7 @@ def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, 
     the padded batch of the rests runs on their keys and values; the same values up to rounding."""
     import torch
 
-    from qevolve_cli.models.kv import shared_prefix_len
+    from qevolve_cli.models.kv import repeat_layers, shared_prefix_len
 
     ids = batch["input_ids"].to(device)
     att = batch["attention_mask"]
@@ -82,7 +82,7 @@ def batch_logprobs(model, batch: dict, device: str, per_sequence: bool = False, 
     P = shared_prefix_len(ids, lens, keep) if shared_prefix and keep is not None else 0
     if P and not per_sequence:  # the padded rests in one forward on the prefix's keys and values, B times
         B = ids.shape[0]
-        layers = [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in _prefix_layers(model, ids[:1, :P])]
+        layers = repeat_layers(_prefix_layers(model, ids[:1, :P]), B)
         lp = _logprobs(model, ids[:, P:], att.to(device), keep[:, P:], layers)
         return torch.nn.functional.pad(lp, (P, 0))
     if per_sequence and (P or min(lens) < ids.shape[1]):

@@ -167,7 +167,7 @@ def test_selection_reads_no_test_split(tmp_path):
 
 def test_below_start_warns_when_every_step_from_the_start_lost_on_validation():
     """ETO trains from the SFT policy: when its best candidate scores more than 10 points under SFT on the same
-    validation tasks (lamps-habit seed 2: 40.0 against 77.5), the grid steps too far and compare says so."""
+    validation tasks (lamps-habit seed 2: 40.0 against 77.5), every setting of the grid made it worse and compare says so."""
     from qevolve_cli.evolve.select import below_start
 
     def sel(vals, chosen):
@@ -176,7 +176,7 @@ def test_below_start_warns_when_every_step_from_the_start_lost_on_validation():
     sft = sel([0.575, 0.775, 0.725], 1)
     msg = below_start("ETO", sel([0.075, 0.40, 0.375], 1), sft, "eto_candidates")
     assert msg.startswith("every ETO candidate scored below the policy it starts from on validation (best 40.0 vs "
-                          "77.5): its grid (eto_candidates) steps too far") and "--set 'eto_candidates=[" in msg
+                          "77.5): every setting of its grid (eto_candidates) made it worse") and "--set 'eto_candidates=[" in msg
     assert below_start("ETO", sel([0.825, 0.525, 0.825], 0), sft, "eto_candidates") is None  # ETO above SFT
     assert below_start("ETO", sel([0.676], 0), sft, "eto_candidates") is None  # within 10 points
     assert below_start("ETO", sel([0.674], 0), sft, "eto_candidates") is not None

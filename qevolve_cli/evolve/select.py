@@ -144,8 +144,9 @@ def select(run, prefix: str, base_cfg, grid: Sequence[dict[str, Any]], train: Ca
 def below_start(arm: str, sel: dict[str, Any] | None, start: dict[str, Any] | None, grid_field: str,
                 margin: float = 0.10) -> str | None:
     """A warning when every candidate of an arm that trains *from* a chosen policy (ETO from SFT) scored more than
-    ``margin`` below that policy on the same validation tasks: each step of the grid made it worse, so the grid
-    steps too far, and the arm's row measures the grid, not the method. None otherwise (or without scores)."""
+    ``margin`` below that policy on the same validation tasks: each setting of the grid made it worse, so the arm's
+    row measures that grid rather than the method (smaller steps may keep it near its start). None otherwise (or
+    without scores)."""
     def chosen_val(r):
         c = r["candidates"][r["chosen_index"]] if r and r.get("candidates") else None
         return None if c is None else c.get("val_avg_reward")
@@ -154,7 +155,7 @@ def below_start(arm: str, sel: dict[str, Any] | None, start: dict[str, Any] | No
     if best is None or ref is None or best >= ref - margin:
         return None
     return (f"every {arm} candidate scored below the policy it starts from on validation (best {100 * best:.1f} "
-            f"vs {100 * ref:.1f}): its grid ({grid_field}) steps too far; add smaller steps, e.g. "
+            f"vs {100 * ref:.1f}): every setting of its grid ({grid_field}) made it worse; smaller steps may keep it, e.g. "
             f"--set '{grid_field}=[{{lr: 0.04}}, {{lr: 0.008}}, {{}}]' (docs/compare.md, \"Statistics\")")
 
 

@@ -176,6 +176,21 @@ def test_cpu_preset_keeps_the_measured_learning_check_values():
     assert load_policy_config(preset="cpu").lr == cfg.stage("bc", 0).lr == 2e-3
 
 
+@pytest.mark.parametrize("scale", ["cpu", "cpu-smol"])
+@pytest.mark.parametrize("env", ["lamps-hard", "lamps-habit"])
+def test_cpu_scales_keep_the_step_and_length_limits_of_the_longer_lamps(env, scale):
+    """lamps-hard's and lamps-habit's own presets allow 25 / 26 steps (their longest stated step budget) in 3,072
+    tokens; a CPU scale preset's generic limits (lamps' 16 steps in 2,048 tokens) must not cut them, or tasks with
+    a longer budget become unsolvable and long trajectories are truncated in training."""
+    own = resolve(env, "paper", overrides={"model": "m"})
+    cfg = resolve(env, scale, overrides={"model": "m"})
+    for k in (1, 2):
+        assert cfg.stage("rollout", k).max_steps == own.stage("rollout", k).max_steps >= 25
+        assert cfg.stage("rollout", k).max_context >= own.stage("rollout", k).max_context
+        assert cfg.stage("critic", k).max_length >= own.stage("critic", k).max_length
+        assert cfg.stage("policy", k).max_length >= own.stage("policy", k).max_length
+    assert cfg.stage("bc", 0).max_length >= own.stage("bc", 0).max_length
+    assert cfg.eval_max_tasks == 0  # the whole held-out splits
 def test_print_config_names_the_layer_of_every_value():
     r = runner.invoke(app, ["policy", "--preset", "cpu", "--objective", "bppo", "--set", "lr=3e-4", "--epochs", "4",
                             "--print-config", "--json"])

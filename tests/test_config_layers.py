@@ -191,6 +191,8 @@ def test_cpu_scales_keep_the_step_and_length_limits_of_the_longer_lamps(env, sca
         assert cfg.stage("policy", k).max_length >= own.stage("policy", k).max_length
     assert cfg.stage("bc", 0).max_length >= own.stage("bc", 0).max_length
     assert cfg.eval_max_tasks == 0  # the whole held-out splits
+
+
 def test_print_config_names_the_layer_of_every_value():
     r = runner.invoke(app, ["policy", "--preset", "cpu", "--objective", "bppo", "--set", "lr=3e-4", "--epochs", "4",
                             "--print-config", "--json"])

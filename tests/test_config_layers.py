@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from qevolve_cli.cli import app
 from qevolve_cli.config import configs_dir, load_yaml
 from qevolve_cli.critic.config import CriticConfig, load_critic_config
-from qevolve_cli.env_names import ENV_NAMES
+from qevolve_cli.env_names import ENV_NAMES, MAX_STEPS
 from qevolve_cli.evolve.compare import CompareConfig
 from qevolve_cli.evolve.config import SCALES, resolve, resolve_with_origin
 from qevolve_cli.policy.config import PolicyConfig, load_policy_config
@@ -191,6 +191,20 @@ def test_cpu_scales_keep_the_step_and_length_limits_of_the_longer_lamps(env, sca
         assert cfg.stage("policy", k).max_length >= own.stage("policy", k).max_length
     assert cfg.stage("bc", 0).max_length >= own.stage("bc", 0).max_length
     assert cfg.eval_max_tasks == 0  # the whole held-out splits
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_a_scale_never_lengthens_an_environments_episodes(scale):
+    """An episode's step limit is part of the task (the paper's "maximum episode length"): a scale made for a
+    small machine may shorten it where it says so (smoke: 3 steps; the CPU scales: TextCraft's 20 of 40), never
+    lengthen it. The CPU scales used to set lamps' 12-16 steps for every environment, which gave WebShop 12-16
+    turns where its limit is 10 and cut ALFWorld's 30 and SciWorld's 24 to 12-16: they keep them now."""
+    for env in ENV_NAMES:
+        for k in (1, 2):
+            steps = resolve(env, scale, overrides={"model": "m"}).stage("rollout", k).max_steps or MAX_STEPS[env]
+            assert 0 < steps <= MAX_STEPS[env], (env, k, steps)
+            if scale in ("paper", "cpu", "cpu-smol") and env != "textcraft":
+                assert steps == MAX_STEPS[env], (env, k, steps)
 
 
 def test_print_config_names_the_layer_of_every_value():

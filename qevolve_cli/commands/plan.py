@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         gpu: Annotated[str, typer.Option("--gpu", help="GPU kind: h100-80gb, h200-141gb, a100-80gb, a100-40gb, "
                                          "l40s-48gb, a10-24gb.")] = "h100-80gb",
         gpu_gib: Annotated[float | None, typer.Option("--gpu-gib", help="Usable GiB per GPU (overrides --gpu's).")] = None,
-        preset: Annotated[str, typer.Option("--preset", help="Evolve preset: paper (default), smoke or cpu.")] = "paper",
+        preset: Annotated[str, typer.Option("--preset", help="Evolve preset: paper (default), smoke, cpu or cpu-smol.")] = "paper",
         config: ConfigOpt = None,
         iters: Annotated[int | None, typer.Option("--iters", help="Evolving iterations (default: the preset's).")] = None,
         tables: Annotated[list[Path] | None, typer.Option("--tables", help="Rollout tables of a previous run "

@@ -200,8 +200,9 @@ def test_a_scale_never_lengthens_an_environments_episodes(scale):
     lengthen it. The CPU scales used to set lamps' 12-16 steps for every environment, which gave WebShop 12-16
     turns where its limit is 10 and cut ALFWorld's 30 and SciWorld's 24 to 12-16: they keep them now."""
     for env in ENV_NAMES:
+        cfg = resolve(env, scale, overrides={"model": "m"})
         for k in (1, 2):
-            steps = resolve(env, scale, overrides={"model": "m"}).stage("rollout", k).max_steps or MAX_STEPS[env]
+            steps = cfg.stage("rollout", k).max_steps or MAX_STEPS[env]
             assert 0 < steps <= MAX_STEPS[env], (env, k, steps)
             if scale in ("paper", "cpu", "cpu-smol") and env != "textcraft":
                 assert steps == MAX_STEPS[env], (env, k, steps)

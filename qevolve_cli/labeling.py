@@ -38,7 +38,9 @@ class LabelConfig(ConfigBase):
         "q_minus_v (needs a critic).",
         choices=ADVANTAGES,
     )
-    max_length: int | None = field(None, help="Token budget for prefix indexing (None: the tokenizer's maximum).", gt=0)
+    max_length: int | None = field(None, help="Token budget for prefix indexing (None: no budget, whole "
+                                                "trajectories; the critic windows longer ones with its own "
+                                                "max_length).", gt=0)
     value_source: str = field(
         "critic",
         help="Where value/next_value come from: critic (--critic DIR, or the input's columns), oracle (the "

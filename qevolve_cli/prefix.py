@@ -72,6 +72,7 @@ from qevolve_cli.transcript import (
     layout_of,
     state_end,
     trajectory_messages,
+    window_starts,
 )
 
 POS_COLUMNS = ("pos_s", "pos_sa", "pos_next")
@@ -220,25 +221,23 @@ def _window_messages(msgs: list[dict], head: int, j: int, b: int, layout: Layout
     return msgs[:head] + msgs[head + 2 * j: next_state_end(b, layout) + 1]
 
 
-def _windows_from(T: int, length_of) -> list[int]:
-    """j_t per step: smallest j >= j_{t-1}, j <= max(t-1, 0), with length_of(j, t) fitting (else the max)."""
-    js, j = [], 0
-    for t in range(T):
-        hi = max(t - 1, 0)
-        j = min(j, hi)
-        while j < hi and not length_of(j, t):
-            j += 1
-        js.append(j)
-    return js
+def _start_limit(head_len: int, max_length: int, window_context: float) -> float:
+    """Longest first sequence of a new window: the head plus ``window_context`` of the room after it."""
+    return head_len + window_context * max(0, max_length - head_len)
 
 
-def _slow_trajectory(tok, msgs: list[dict], T: int, layout: Layout, max_length: int | None):
+def _slow_trajectory(tok, msgs: list[dict], T: int, layout: Layout, max_length: int | None,
+                     window_context: float = 1.0):
     """Exact reference for one trajectory: per-prefix render + tokenisation. Returns per-step tuples."""
     head = layout.head
     if max_length is None:
         js = [0] * T
     else:
-        js = _windows_from(T, lambda j, t: _slow_len(tok, _window_messages(msgs, head, j, t, layout)) <= max_length)
+        def length(j: int, t: int) -> int:
+            return _slow_len(tok, _window_messages(msgs, head, j, t, layout))
+
+        limit = _start_limit(_slow_len(tok, msgs[:head]), max_length, window_context)
+        js = window_starts(T, lambda j, t: length(j, t) <= max_length, lambda j, t: length(j, t) <= limit)
     out = []
     w = -1
     for t in range(T):
@@ -255,7 +254,8 @@ def _slow_trajectory(tok, msgs: list[dict], T: int, layout: Layout, max_length: 
     return out
 
 
-def reference_positions(df: pl.DataFrame, tokenizer_dir_or_obj: Any, max_length: int | None = None) -> pl.DataFrame:
+def reference_positions(df: pl.DataFrame, tokenizer_dir_or_obj: Any, max_length: int | None = None,
+                        window_context: float = 1.0) -> pl.DataFrame:
     """The slow reference: every prefix rendered and tokenised separately (tests, benchmarks)."""
     from qevolve_cli.schema import sort_steps
 
@@ -269,7 +269,7 @@ def reference_positions(df: pl.DataFrame, tokenizer_dir_or_obj: Any, max_length:
     for a, b in zip(offs[:-1], offs[1:], strict=False):
         msgs = _messages(cols["env"][a], cols["instruction"][a], cols["observation"][a:b], cols["action"][a:b],
                          cols["next_observation"][a:b], lay)
-        rows.extend(_slow_trajectory(tok, msgs, int(b - a), lay, max_length))
+        rows.extend(_slow_trajectory(tok, msgs, int(b - a), lay, max_length, window_context))
     return _attach(df, rows)
 
 
@@ -309,10 +309,16 @@ def add_prefix_positions(
     tokenizer_dir_or_obj: Any,
     max_length: int | None = None,
     *,
+    window_context: float = 1.0,
     chunk_trajectories: int = 2048,
     stats: dict | None = None,
 ) -> pl.DataFrame:
     """Add ``pos_s, pos_sa, pos_next, seq_len, window, dropped_turns`` (int32) and ``truncated`` (bool).
+
+    ``window_context`` (0 < c <= 1): a new window of a trajectory longer than ``max_length`` starts with
+    the fewest dropped turns that keep its first sequence within the head plus c of the room after the
+    head (:func:`qevolve_cli.transcript.window_starts`); 1 = the fewest that fit (one window per step once
+    the first is full); lower = windows shared by more steps (CriticConfig.window_context).
 
     Rows come back in :func:`qevolve_cli.schema.sort_steps` order. ``stats``
     (if given) receives counts: trajectories, steps, fallback_trajectories,
@@ -322,6 +328,8 @@ def add_prefix_positions(
 
     if max_length is not None and max_length < 1:
         raise QevolveError(f"max_length: must be >= 1, got {max_length}")
+    if not 0 < window_context <= 1:
+        raise QevolveError(f"window_context: must be in (0, 1], got {window_context}")
     _check_columns(df)
     ix = _Indexer(tokenizer_dir_or_obj)
     df = sort_steps(df)
@@ -356,10 +364,10 @@ def add_prefix_positions(
             res = None
             if not slow[i] and oks[i]:
                 P = pos[eo[i]:eo[i + 1]]
-                res = _fast_rows(ix, msgs_l[i], P, int(seq_lens[i]), T, max_length)
+                res = _fast_rows(ix, msgs_l[i], P, int(seq_lens[i]), T, max_length, window_context)
             if res is None:
                 st["fallback_trajectories"] += 1
-                res = _slow_trajectory(ix.tok, msgs_l[i], T, ix.layout, max_length)
+                res = _slow_trajectory(ix.tok, msgs_l[i], T, ix.layout, max_length, window_context)
             rows.extend(res)
     out = _attach(df, rows)
     st["truncated_steps"] = int(out["truncated"].sum()) if len(out) else 0
@@ -372,7 +380,8 @@ def add_prefix_positions(
     return out
 
 
-def _fast_rows(ix: _Indexer, msgs, P: np.ndarray, seq_len: int, T: int, max_length: int | None):
+def _fast_rows(ix: _Indexer, msgs, P: np.ndarray, seq_len: int, T: int, max_length: int | None,
+               window_context: float = 1.0):
     """Per-step rows from the full-text positions P (2T+1 prefix ends), or None to fall back."""
     if max_length is None or seq_len <= max_length:
         return [(int(P[2 * t]), int(P[2 * t + 1]), int(P[2 * t + 2]), seq_len, 0, 0, False) for t in range(T)]
@@ -380,7 +389,11 @@ def _fast_rows(ix: _Indexer, msgs, P: np.ndarray, seq_len: int, T: int, max_leng
     def shift(j: int) -> int:
         return int(P[2 * j] - P[0])
 
-    js = _windows_from(T, lambda j, t: int(P[2 * t + 2]) + 1 - shift(j) <= max_length)
+    def length(j: int, t: int) -> int:
+        return int(P[2 * t + 2]) + 1 - shift(j)
+
+    limit = _start_limit(int(P[0]) + 1, max_length, window_context)  # the head ends at s_0's last token
+    js = window_starts(T, lambda j, t: length(j, t) <= max_length, lambda j, t: length(j, t) <= limit)
     groups: list[tuple[int, int, int]] = []  # (j, first step, last step)
     for t, j in enumerate(js):
         if groups and groups[-1][0] == j:

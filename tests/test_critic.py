@@ -446,3 +446,32 @@ def test_schedule_both_shares_one_value_forward_exactly(tiny_model_dir, layout, 
         assert {k: v for k, v in a.items() if "forward" not in k and "seconds" not in k and "per_s" not in k} == \
                {k: v for k, v in b.items() if "forward" not in k and "seconds" not in k and "per_s" not in k}
         assert (a["forward_calls"], b["forward_calls"]) == (3 * n_batches, 4 * n_batches)
+
+
+def test_long_trajectories_are_trained_and_scored_in_windows(tiny_model_dir, tmp_path):
+    """A table indexed without a budget (as `qevolve evolve`'s label stage writes it) and a critic max_length
+    shorter than its longest trajectory: every step is trained on (windows, not skipped), critic.json
+    keeps max_length, and scoring reads each step in the window the critic learnt it in."""
+    from qevolve_cli.prefix import add_prefix_positions
+
+    df = labelled(n_traj=3, mean_steps=6, seed=3, obs_words=30)
+    tok = load_tokenizer(tiny_model_dir)
+    whole = add_prefix_positions(df, tok)  # no budget: one sequence per trajectory
+    longest = int(whole["seq_len"].max())
+    budget = longest * 2 // 3
+    assert (whole["seq_len"] > budget).any()
+    cfg = CriticConfig(epochs=1, lr=1e-3, batch_size=2, steps_per_traj=2, max_length=budget, **SMALL)
+    summary = train_critic(cfg, whole, tiny_model_dir, tmp_path / "c")
+    assert summary["skipped_steps"] == 0 and summary["steps"] == df.height
+    meta = json.loads((tmp_path / "c" / "critic.json").read_text())
+    assert (meta["max_length"], meta["window_context"]) == (budget, cfg.window_context) == (budget, 0.5)
+    windowed = add_prefix_positions(df, tok, max_length=budget, window_context=0.5)
+    assert (windowed["window"] > 0).any() and windowed["seq_len"].max() <= budget
+    a = score_table(whole, tmp_path / "c", device="cpu")  # the critic's own budget: re-indexed into windows
+    b = score_table(windowed, tmp_path / "c", device="cpu")  # already in those windows: used as they are
+    c = score_table(whole, tmp_path / "c", device="cpu", max_length=10**9)  # whole trajectories
+    np.testing.assert_allclose(a["value"].to_numpy(), b["value"].to_numpy(), atol=1e-5)
+    late = (windowed["window"] > 0).to_numpy()
+    assert not np.allclose(a["value"].to_numpy()[late], c["value"].to_numpy()[late], atol=1e-4)
+    # the first window is a prefix of the whole trajectory: same causal contexts, same values
+    np.testing.assert_allclose(a["value"].to_numpy()[~late], c["value"].to_numpy()[~late], atol=1e-5)

@@ -441,3 +441,72 @@ def test_activation_checkpointing_is_enabled_without_a_deprecation_warning(tiny_
     assert any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
     assert not any(getattr(m, "gradient_checkpointing", False)
                    for m in load_policy(cfg.replace(gradient_checkpointing=False), tiny_model_dir, "cpu")[1].modules())
+
+
+def test_bc_on_trajectories_longer_than_max_length_trains_their_first_actions(tiny_model_dir, tmp_path):
+    """Each long trajectory becomes several windows (docs/policy.md, "Long trajectories"): the opening action
+    (longer than the last one, so more nats to gain), which dropping the oldest turns would never train on,
+    gains more than the last action does."""
+    from qevolve_cli.policy import PolicyConfig, train_policy
+    from qevolve_cli.policy.data import build_examples
+
+    first = "Thought: The wooden chest must be opened before anything else.\nAction: open the wooden chest"
+    last = "Thought: Done.\nAction: craft the planks"
+    rows = []
+    for k in range(2):
+        acts = [first] + [f"Thought: Gather more.\nAction: get {t} oak log" for t in range(1, 5)] + [last]
+        for t, a in enumerate(acts):
+            rows.append(dict(traj_id=f"e{k}", env="textcraft", task_id=str(k), split="train", source="expert",
+                             iteration=0, step=t, instruction=f"craft {k + 1} oak planks",
+                             observation=f"Room {t}: " + "logs and planks lie around. " * 12, action=a, command=None,
+                             next_observation="ok", reward_env=float(t == 5), done=t == 5))
+    df = pl.DataFrame(rows)
+    data = tmp_path / "long.parquet"
+    write_table(df, data)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (whole,) = build_examples(df.filter(pl.col("traj_id") == "e0"), tok, 100_000)
+    max_length = len(whole) // 2
+    (single,) = build_examples(df.filter(pl.col("traj_id") == "e0"), tok, max_length, windows=False)
+    assert 0 not in set(single.step[single.loss_mask].tolist())  # one sequence cannot hold the opening action
+    before = summed_logprobs(tiny_model_dir, df)
+    cfg = PolicyConfig(objective="bc", lr=5e-3, epochs=8, micro_batch_size=2, warmup_ratio=0.0, seed=0,
+                       max_length=max_length)
+    m = train_policy(cfg, data, tiny_model_dir, tmp_path / "bc", quiet=True)
+    assert m["trajectories"] == 2 and m["sequences"] > 2 and m["steps"] == m["steps_trained"] == 12
+    assert m["truncated_trajectories"] == 2
+    after = summed_logprobs(tmp_path / "bc", df)
+    gain_first, gain_last = after[first] - before[first], after[last] - before[last]
+    # measured: 133 vs 68 nats with windows; one sequence per trajectory (only the 4 newest steps trained)
+    # gave 22 vs 31: the opening action then only gains what it shares with the others
+    assert gain_last > 5 and gain_first > gain_last, (gain_first, gain_last)
+
+
+def test_advantages_are_normalised_over_steps_not_windows(tiny_model_dir):
+    """normalize_advantage: each trajectory's steps count once, whatever its number of windows."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from qevolve_cli.policy import PolicyConfig
+    from qevolve_cli.policy.data import build_examples
+    from qevolve_cli.policy.trainer import build_policy_data
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = []
+    for k, (n, words, adv0) in enumerate(((6, 30, 3.0), (2, 1, -1.0))):  # a long and a short trajectory
+        for t in range(n):
+            rows.append(dict(traj_id=f"t{k}", env="textcraft", task_id=str(k), split="train", source="self",
+                             iteration=1, step=t, instruction="craft planks", observation="logs " * words,
+                             action=f"Thought: go.\nAction: get {t} oak log", command=None, next_observation="ok",
+                             reward_env=0.0, done=t == n - 1, advantage=adv0 + t))
+    df = pl.DataFrame(rows)
+    (whole,) = build_examples(df.filter(pl.col("traj_id") == "t0"), tok, 100_000)
+    cfg = PolicyConfig(objective="bppo", max_length=len(whole) * 3 // 4, normalize_advantage=True)
+    pd = build_policy_data(cfg, df, {}, tok, "table")
+    assert len([e for e in pd.examples if e.traj_id == "t0"]) >= 2
+    a = df["advantage"].to_numpy()
+    ref = {tid: (g["advantage"].to_numpy() - a.mean()) / (a.std() + 1e-8)
+           for (tid,), g in df.group_by("traj_id", maintain_order=True)}
+    for e in pd.examples:
+        np.testing.assert_allclose(e.advantages, ref[e.traj_id], rtol=1e-5, atol=1e-6)

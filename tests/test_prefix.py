@@ -54,6 +54,27 @@ def test_truncation_equals_slow_reference(name):
     assert (fast["dropped_turns"] <= (fast["step"] - 1).clip(0)).all()
 
 
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("share", [0.5, 0.25])
+def test_roomy_windows_equal_slow_reference_and_are_fewer(name, share):
+    """window_context < 1 (the critic's default 0.5): fast path == slow reference, fewer windows than the
+    fewest-dropped rule, and a step never sees more of the past than under that rule."""
+    tok = build_tokenizer(name)
+    df = synthetic_table(10, 8, seed=5)
+    ml = int(add_prefix_positions(df, tok)["pos_s"].min()) + 150
+    tight = add_prefix_positions(df, tok, max_length=ml)
+    stats: dict = {}
+    fast = add_prefix_positions(df, tok, max_length=ml, window_context=share, stats=stats)
+    ref = reference_positions(df, tok, max_length=ml, window_context=share)
+    assert fast.select(ALL).to_dicts() == ref.select(ALL).to_dicts()
+    n_tight = tight.select(pl.struct("traj_id", "window").n_unique()).item()
+    assert stats["windows"] < n_tight and stats["overlong_steps"] == int((tight["seq_len"] > ml).sum())
+    assert (fast["dropped_turns"] >= tight["dropped_turns"]).all()
+    assert (fast["dropped_turns"] <= (fast["step"] - 1).clip(0)).all()
+    with pytest.raises(QevolveError, match="window_context"):
+        add_prefix_positions(df, tok, max_length=ml, window_context=0)
+
+
 @pytest.mark.parametrize("name", ["chatml_tiny", "llama2"])
 def test_token_ids_consistent_with_positions(name):
     tok = build_tokenizer(name)

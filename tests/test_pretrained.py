@@ -72,14 +72,20 @@ def test_policy_masks_with_the_example_layout(smollm2_dir):
     (full,) = build_examples(df, tok, 100_000)
     text = tok.decode(full.input_ids)
     assert "<|im_start|>assistant\nOK<|im_end|>" in text and "Here is an example." in text
-    for ex in (full, *build_examples(df, tok, len(full) - 120)):
+    windows = build_examples(df, tok, len(full) - 120)
+    (dpo,) = build_examples(df, tok, len(full) - 120, windows=False)
+    for ex in (full, *windows, dpo):
         kept = sorted(set(ex.step[ex.step >= 0].tolist()))
-        assert kept == list(range(6 - len(kept), 6)) and (ex.loss_mask == (ex.step >= 0)).all()
+        assert (ex.loss_mask == (ex.step >= 0)).all() and (ex is full or len(ex) <= len(full) - 120)
         for t in kept:
             assert tok.decode(ex.input_ids[ex.step == t]) == acts[t] + "<|im_end|>"
         assert "OK" not in tok.decode(ex.input_ids[ex.loss_mask]).replace("<|im_end|>", "")
         assert "Here is an example." in tok.decode(ex.input_ids[~ex.loss_mask])
-    assert ex.dropped_turns >= 1 and len(ex) <= len(full) - 120
+    # windows: every action a target once; the later windows dropped turns after the head (example kept)
+    owned = [t for ex in windows for t in sorted(set(ex.step[ex.loss_mask].tolist()))]
+    assert owned == list(range(6)) and len(windows) >= 2 and windows[-1].dropped_turns >= 1
+    kept = sorted(set(dpo.step[dpo.loss_mask].tolist()))  # DPO's one sequence keeps the newest steps
+    assert dpo.dropped_turns >= 1 and kept == list(range(dpo.dropped_turns, 6))
 
 
 def test_model_answers(smollm2_dir, one_thread):

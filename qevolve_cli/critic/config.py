@@ -20,8 +20,9 @@ from qevolve_cli.rewards import CRITIC_REDUCTIONS
 
 @dataclass
 class CriticConfig(ConfigBase):
-    # added 2026-11-27 (time_*), 2026-11-28 (share_value_forward, shared_prefix): older runs resume
-    HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale", "share_value_forward", "shared_prefix")
+    # added 2026-11-27 (time_*), 2026-11-28 (share_value_forward, shared_prefix), 2026-11-29 (window_context):
+    # older runs resume
+    HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context")
 
     # optimisation
     epochs: int = field(20, help="Passes over the trajectories (paper: 20 in iteration 1, 2 in iteration 2).", ge=1)
@@ -74,7 +75,13 @@ class CriticConfig(ConfigBase):
                             choices=("none", "step", "steps_left"))
     time_scale: float = field(16.0, help="Divisor of the time input (step or steps_left; about the episodes' "
                                          "step limit).", gt=0)
-    max_length: int | None = field(None, help="Longest tokenised trajectory (null: the tokenizer's maximum); longer steps are skipped.", gt=0)
+    max_length: int | None = field(None, help="Longest tokenised sequence (null: no limit). A longer trajectory "
+                                              "is split into windows of recent turns; a step whose one turn does "
+                                              "not fit is skipped. docs/critic.md, 'Long trajectories'.", gt=0)
+    window_context: float = field(0.5, help="Share of max_length (after the head) a new window of a long "
+                                            "trajectory starts with as context: 1 = the most turns that fit (one "
+                                            "window per step: most tokens); lower = windows shared by several "
+                                            "steps. Scoring uses the same windows.", gt=0.0, le=1.0)
     # hardware
     device: str = field("auto", help="auto (cuda if available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
     dtype: str = field("auto", help="Frozen backbone dtype: auto (bfloat16 on GPU, float32 on CPU; docs/performance.md), float32, bfloat16.",

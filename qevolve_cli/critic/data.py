@@ -59,15 +59,18 @@ WINDOW_COLUMNS = ("pos_s", "pos_sa", "pos_next", "seq_len", "window", "dropped_t
 
 
 def build_items(df: pl.DataFrame, tokenizer: Any, max_length: int | None = None,
-                source: Any = None, time_column: str = "step") -> list[TrajItem]:
+                source: Any = None, time_column: str = "step", window_context: float = 1.0) -> list[TrajItem]:
     """One item per tokenised sequence: a trajectory, or one window of it when prefix indexing truncated it.
 
     Positions come from the table when ``qevolve label --tokenizer`` indexed it (columns
-    pos_s/pos_sa/pos_next/seq_len/window/dropped_turns; they must match ``tokenizer``), else
-    :func:`qevolve_cli.prefix.add_prefix_positions` computes them with ``max_length``. Token ids
-    come from :func:`qevolve_cli.prefix.tokenize_trajectories` (each trajectory tokenised once).
-    Steps whose sequence is longer than ``max_length`` are marked not ``usable`` (training skips
-    them; scoring still forwards them whole). ``TrajItem.rows`` index the rows of ``df``.
+    pos_s/pos_sa/pos_next/seq_len/window/dropped_turns; they must match ``tokenizer``) and its
+    sequences fit ``max_length``; else (no positions, or a table indexed with a larger budget or
+    none, as `qevolve evolve`'s label stage does) :func:`qevolve_cli.prefix.add_prefix_positions`
+    computes them with ``max_length``: a trajectory longer than that is split into windows of recent
+    turns (``window_context``: CriticConfig), so every step is trained on. Token ids come from
+    :func:`qevolve_cli.prefix.tokenize_trajectories` (each trajectory tokenised once). Steps whose
+    window is still longer than ``max_length`` (one turn that does not fit) are marked not ``usable``
+    (training skips them; scoring forwards them anyway). ``TrajItem.rows`` index the rows of ``df``.
     ``TrajItem.step`` holds the column ``time_column`` (``step``, or ``steps_left`` for a critic whose heads
     take the steps left, CriticConfig.time_input).
     """
@@ -83,9 +86,12 @@ def build_items(df: pl.DataFrame, tokenizer: Any, max_length: int | None = None,
         raise TableError(source, time_column, f"{df[time_column].null_count()} null values{hint}")
 
     frame = df.with_row_index("_row")
-    if not all(c in df.columns for c in WINDOW_COLUMNS):
+    indexed = all(c in df.columns for c in WINDOW_COLUMNS)
+    if indexed and max_length is not None and df["seq_len"].max() is not None and df["seq_len"].max() > max_length:
+        indexed = False  # indexed without a budget (or a larger one): window the long trajectories here
+    if not indexed:
         frame = add_prefix_positions(frame.drop([c for c in OUT_COLUMNS if c in frame.columns]), tokenizer,
-                                     max_length=max_length)
+                                     max_length=max_length, window_context=window_context)
     else:
         for c in WINDOW_COLUMNS:
             n = frame[c].null_count()

@@ -116,6 +116,8 @@ class CriticModel(nn.Module):
         self._trainable: list[nn.Parameter] = []
         self.per_sequence = False  # one forward per row of a padded batch (batch_layout; see pooled)
         self.shared_prefix = False  # the rows' common prompt prefix computed once (see pooled)
+        self.max_length: int | None = None  # CriticConfig.max_length it trains / was trained with (critic.json)
+        self.window_context = 1.0  # and CriticConfig.window_context: scoring uses the training windows
 
     def enable_training(self) -> None:
         """Adapters value and q (and all heads but the EMA targets) get gradients; q_target never does."""
@@ -157,6 +159,8 @@ class CriticModel(nn.Module):
             base.train()  # HF checkpoints only in training mode (the backbone has no active dropout by default)
         model = cls(peft_model, base.config.hidden_size, cfg.head_hidden, str(base_model), cfg.time_scale,
                     cfg.time_input)
+        model.max_length = cfg.max_length
+        model.window_context = cfg.window_context
         model.per_sequence = per_sequence_layout(getattr(cfg, "batch_layout", "padded"), device.type)
         # a checkpointed backbone in training mode drops the cache a row's rest would start from
         model.shared_prefix = (bool(getattr(cfg, "shared_prefix", True)) and not cfg.gradient_checkpointing
@@ -200,6 +204,8 @@ class CriticModel(nn.Module):
                     float(meta.get("time_scale", 0.0)), str(meta.get("time_input", "none")))
         model.per_sequence = per_sequence_layout(batch_layout, dev.type)
         model.shared_prefix = shared_prefix and prefix_pays(base)
+        model.max_length = int(meta["max_length"]) if meta.get("max_length") else None
+        model.window_context = float(meta.get("window_context", 1.0))
         model.heads.to(device=dev, dtype=torch.float32)
         state = load_file(str(d / HEADS_FILE), device=str(dev))
         missing = model.heads.load_state_dict(state, strict=False)
@@ -219,6 +225,7 @@ class CriticModel(nn.Module):
         save_file(state, str(out / HEADS_FILE), metadata={"format": "pt"})
         meta = {"format": "qevolve-critic/1", "base_model": self.base_path, "hidden_size": self.hidden_size,
                 "head_hidden": self.head_hidden, "time_input": self.time_input, "time_scale": self.time_scale,
+                "max_length": self.max_length, "window_context": self.window_context,
                 "adapters": list(ADAPTERS), "heads": list(HEADS),
                 "pooling": "last-token at pos_s (value), pos_sa (q, q_target), pos_next (value)"}
         meta.update(extra_meta or {})

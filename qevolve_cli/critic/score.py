@@ -31,7 +31,11 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
     ``critic``: a critic directory (``qevolve critic --out``) or a loaded :class:`CriticModel`.
     ``tokenizer``: defaults to the one saved in the critic directory. Positions come from the
     table's ``pos_*`` columns when present (they must match this tokenizer), else are computed.
-    Steps beyond ``max_length`` tokens are still scored (the whole trajectory is forwarded).
+    ``max_length``: the token budget of a scored sequence; default the one the critic was trained with
+    (``critic.json``, with its ``window_context``), so that a long trajectory is scored in the windows
+    of recent turns the critic learnt on (:func:`qevolve_cli.critic.data.build_items`); a critic saved
+    without it (older versions) scores whole trajectories. A window still longer than the budget is
+    forwarded whole.
     """
 
     from qevolve_cli.critic.model import CriticModel
@@ -42,7 +46,10 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
             tokenizer = load_tokenizer(critic.base_path, require_chat_template=True)
         else:
             tokenizer = load_tokenizer(critic, require_chat_template=True)
-    items = build_items(df, tokenizer, max_length=None, time_column=model.time_column)
+    if max_length is None:
+        max_length = model.max_length
+    items = build_items(df, tokenizer, max_length=max_length, time_column=model.time_column,
+                        window_context=model.window_context)
     dev = next(model.heads.parameters()).device
     outs = ("value", "next_value", "q_value") if with_q else ("value", "next_value")
     got = score_items(model, items, df.height, pad_id_of(tokenizer), dev, batch_size, outs, progress)

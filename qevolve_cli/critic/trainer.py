@@ -353,7 +353,8 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     t_start = time.perf_counter()
     df, source = load_table(data)
     tok = tokenizer if tokenizer is not None else load_tokenizer(model, require_chat_template=True)
-    items = build_items(df, tok, cfg.max_length, source, time_column=time_column(cfg.time_input))
+    items = build_items(df, tok, cfg.max_length, source, time_column=time_column(cfg.time_input),
+                        window_context=cfg.window_context)
     attach_targets(items, df, cfg, source)
     skipped_steps = int(sum((~it.usable).sum() for it in items))
     items = [it for it in items if it.usable.any()]

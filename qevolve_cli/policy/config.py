@@ -19,7 +19,7 @@ OBJECTIVES = ("bc", "bppo", "awr", "rft", "dpo")
 
 @dataclass
 class PolicyConfig(ConfigBase):
-    HASH_OMIT_AT_DEFAULT = ("logits", "shared_prefix")  # added 2026-11-28: older runs resume
+    HASH_OMIT_AT_DEFAULT = ("logits", "shared_prefix", "window_context")  # added 2026-11-28/29: older runs resume
     objective: str = field("bc", help="Training objective: bc (NLL on expert actions), bppo, awr, rft (NLL on "
                                       "expert + successful self trajectories), dpo (ETO trajectory preferences).",
                            choices=OBJECTIVES)
@@ -32,8 +32,15 @@ class PolicyConfig(ConfigBase):
     max_grad_norm: float = field(1.0, help="Gradient-norm clipping (0 = off).", ge=0)
     seed: int = field(0, help="Random seed (initialisation of LoRA, batch order).")
     # batching ("dynamic" batch size: a padded-token budget per forward pass)
-    max_length: int = field(4096, help="Maximum tokens of one trajectory; older turns are dropped beyond it "
-                                       "(transcript.truncate).", ge=16)
+    max_length: int = field(4096, help="Maximum tokens of one training sequence. A longer trajectory is split "
+                                       "into windows (the head + recent turns; each action trained once; dpo: "
+                                       "one sequence, its oldest turns dropped). docs/policy.md, 'Long "
+                                       "trajectories'.", ge=16)
+    window_context: float = field(0.5, help="Share of max_length (after the head) a new window of a long "
+                                            "trajectory starts with as context: 1 = the most turns that fit (the "
+                                            "rollout's context, one window per step: most tokens); lower = "
+                                            "windows shared by several steps (fewer tokens, shorter contexts).",
+                                  gt=0.0, le=1.0)
     micro_batch_tokens: int = field(8192, help="Padded-token budget of one forward pass (dynamic batching).",
                                     ge=16)
     micro_batch_size: int = field(8, help="Maximum trajectories per forward pass (0 = only the token budget).",

@@ -17,10 +17,17 @@ every token gets:
   (:func:`qevolve_cli.react.action_char_span`). Outputs with no ``Action:``
   (format errors) count as action tokens, so their penalty is not down-weighted.
 
-Long trajectories follow the shared rule :func:`qevolve_cli.transcript.truncate`
-(oldest (assistant, user) pairs after the instruction are dropped until the
-rendered transcript fits ``max_length`` tokens); if even the shortest form
-does not fit, tokens past ``max_length`` are cut.
+Long trajectories (longer than ``max_length`` tokens) become several sequences, one per window of the
+shared sliding-window rule (:func:`qevolve_cli.transcript.window_starts`, the critic's prefix index uses
+it too): step t's action is trained once, after the head (system prompt, example, instruction and o_0)
+and the most recent turns that fit with it, the fewest dropped turns, as the rollout shows the policy
+(:func:`qevolve_cli.transcript.truncate`), or, with ``window_context`` below 1, a new window starts with
+room left so that the next steps share it (fewer tokens; a step then sees at least that share of
+``max_length`` as context, and at most what the rollout shows). Steps that share the dropped turns share
+one sequence; the actions of older steps in it are context (no loss). A window that does not fit even
+with one turn is cut at ``max_length``. DPO keeps one sequence per trajectory (its loss compares whole trajectories):
+the oldest turns are dropped until it fits (:func:`encode_trajectory`), and their actions are not
+trained on.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ class PolicyExample:
     source: str
     dropped_turns: int = 0
     cut: bool = False
+    window: int = 0  # index of this sequence within its trajectory (0 unless the trajectory is windowed)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -101,25 +109,20 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str, first:
     return spans
 
 
-def encode_trajectory(tokenizer, system: str, instruction: str, observations: Sequence[str],
-                      actions: Sequence[str], max_length: int, layout: transcript.Layout | bool = False,
-                      example: str | None = None
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]:
-    """Tokenise one trajectory -> (ids, loss_mask, step, is_thought, dropped_turns, cut).
+Encoded = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]
 
-    ``example``: the environment's in-context example, needed when ``layout.example``.
-    """
-    n = len(actions)
-    lay = transcript.as_layout(layout)
-    msgs = transcript.build_messages(system, instruction, list(observations), list(actions), lay, example)
-    tr = transcript.truncate(msgs, lambda m: _n_tokens(tokenizer, render(tokenizer, m)) <= max_length, lay)
-    msgs = tr.messages
+
+def _encode(tokenizer, msgs: list[dict[str, str]], lay: transcript.Layout, first_step: int, owned_from: int,
+            max_length: int, dropped: int) -> Encoded:
+    """Tokenise rendered ``msgs`` whose assistant messages after the head are the actions of steps
+    ``first_step, first_step + 1, ...``; those of steps ``>= owned_from`` are targets, earlier ones context."""
     text = render(tokenizer, msgs)
     spans = assistant_spans(tokenizer, msgs, text, first=lay.head)
-    first_step = n - len(spans)  # truncation only drops the oldest turns
     char_step = np.full(len(text) + 1, -1, dtype=np.int32)
     char_thought = np.zeros(len(text) + 1, dtype=bool)
     for j, (mi, start, _end, turn_end) in enumerate(spans):
+        if first_step + j < owned_from:
+            continue
         char_step[start:turn_end] = first_step + j
         span = action_char_span(msgs[mi]["content"])
         if span is not None and span[0] > 0:
@@ -142,12 +145,69 @@ def encode_trajectory(tokenizer, system: str, instruction: str, observations: Se
     if L > max_length:
         ids, step, thought, cut = ids[:max_length], step[:max_length], thought[:max_length], True
     mask = step >= 0
-    return ids, mask, step, thought, tr.dropped_turns, cut
+    return ids, mask, step, thought, dropped, cut
+
+
+def encode_trajectory(tokenizer, system: str, instruction: str, observations: Sequence[str],
+                      actions: Sequence[str], max_length: int, layout: transcript.Layout | bool = False,
+                      example: str | None = None) -> Encoded:
+    """Tokenise one trajectory as one sequence -> (ids, loss_mask, step, is_thought, dropped_turns, cut): the
+    oldest turns are dropped until it fits (:func:`qevolve_cli.transcript.truncate`; their actions are not
+    targets). DPO's sequences; the token-level objectives use :func:`encode_windows`.
+
+    ``example``: the environment's in-context example, needed when ``layout.example``.
+    """
+    n = len(actions)
+    lay = transcript.as_layout(layout)
+    msgs = transcript.build_messages(system, instruction, list(observations), list(actions), lay, example)
+    tr = transcript.truncate(msgs, lambda m: _n_tokens(tokenizer, render(tokenizer, m)) <= max_length, lay)
+    n_kept = sum(1 for m in tr.messages[lay.head:] if m["role"] == "assistant")
+    return _encode(tokenizer, tr.messages, lay, n - n_kept, 0, max_length, tr.dropped_turns)
+
+
+def encode_windows(tokenizer, system: str, instruction: str, observations: Sequence[str],
+                   actions: Sequence[str], max_length: int, layout: transcript.Layout | bool = False,
+                   example: str | None = None, window_context: float = 1.0) -> list[Encoded]:
+    """Tokenise one trajectory as one sequence per window (module docstring) -> a list of (ids, loss_mask,
+    step, is_thought, dropped_turns, cut); every step's action is a target in exactly one of them (unless a
+    cut removed it). A trajectory that fits ``max_length`` is one sequence, the same as
+    :func:`encode_trajectory`'s. ``window_context`` (PolicyConfig): a new window starts with the fewest
+    dropped turns that leave its body (turns after the head, up to its first action) within that share of
+    ``max_length`` minus the head; 1 = the fewest that fit (each step then sees the rollout's context)."""
+    n = len(actions)
+    lay = transcript.as_layout(layout)
+    msgs = transcript.build_messages(system, instruction, list(observations), list(actions), lay, example)
+    head = lay.head
+
+    def window(j: int, b: int) -> list[dict[str, str]]:  # head + a_j, o_{j+1}, ..., o_b, a_b
+        return msgs[:head] + msgs[head + 2 * j : head + 2 * b + 1]
+
+    def length(j: int, t: int) -> int:
+        return _n_tokens(tokenizer, render(tokenizer, window(j, t)))
+
+    if _n_tokens(tokenizer, render(tokenizer, msgs)) <= max_length:
+        return [_encode(tokenizer, msgs, lay, 0, 0, max_length, 0)]
+    head_len = _n_tokens(tokenizer, render(tokenizer, msgs[:head]))
+    start_limit = head_len + window_context * max(0, max_length - head_len)
+    js = transcript.window_starts(n, lambda j, t: length(j, t) <= max_length,
+                                  lambda j, t: length(j, t) <= start_limit)
+    out = []
+    t0 = 0
+    for t in range(n):
+        if t + 1 == n or js[t + 1] != js[t]:
+            j = js[t]
+            out.append(_encode(tokenizer, window(j, t), lay, j, t0, max_length, j))
+            t0 = t + 1
+    return out
 
 
 def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage: bool = False,
-                   path: str | None = None, layout: transcript.Layout | None = None) -> list[PolicyExample]:
-    """Tokenise every trajectory of a (validated, step-sorted) table (layout: :func:`transcript.layout_of`)."""
+                   path: str | None = None, layout: transcript.Layout | None = None,
+                   windows: bool = True, window_context: float = 1.0) -> list[PolicyExample]:
+    """Tokenise every trajectory of a (validated, step-sorted) table (layout: :func:`transcript.layout_of`):
+    one example per window of a long trajectory (:func:`encode_windows`; the windows of one trajectory
+    share its ``advantages`` array), or with ``windows=False`` one per trajectory (:func:`encode_trajectory`,
+    DPO)."""
     from qevolve_cli.envs.prompts import example_prompt, instruction_prompt
     from qevolve_cli.schema import sort_steps
 
@@ -169,11 +229,11 @@ def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage:
             t = int(np.nonzero(np.isnan(adv))[0][0])
             raise TableError(path, "advantage", f"null/NaN advantage in trajectory {traj_id!r} step {t} "
                              "(run `qevolve label --critic` first)")
-        ids, mask, step, thought, dropped, cut = encode_trajectory(
-            tokenizer, system, g["instruction"][0], g["observation"].to_list(), g["action"].to_list(),
-            max_length, layout, example,
-        )
-        out.append(PolicyExample(str(traj_id), ids, mask, step, thought, adv, g["source"][0], dropped, cut))
+        args = (tokenizer, system, g["instruction"][0], g["observation"].to_list(), g["action"].to_list(),
+                max_length, layout, example)
+        seqs = encode_windows(*args, window_context=window_context) if windows else [encode_trajectory(*args)]
+        for w, (ids, mask, step, thought, dropped, cut) in enumerate(seqs):
+            out.append(PolicyExample(str(traj_id), ids, mask, step, thought, adv, g["source"][0], dropped, cut, w))
     return out
 
 

@@ -180,24 +180,29 @@ class PolicyData:
 
 
 def build_policy_data(cfg: PolicyConfig, df, table_info: dict[str, Any], tok, label: str) -> PolicyData:
-    """Tokenise the selected rows (one example per trajectory, those with a target token left after truncation),
-    map dpo's trajectory pairs onto example indices and normalise the advantages (``normalize_advantage``)."""
-    examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.uses_advantage, path=label)
+    """Tokenise the selected rows (one example per window of a trajectory, dpo: per trajectory; those with a
+    target token), map dpo's trajectory pairs onto example indices and normalise the advantages
+    (``normalize_advantage``; each trajectory's steps counted once, whatever its number of windows)."""
+    dpo = cfg.objective == "dpo"
+    examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.uses_advantage, path=label,
+                              windows=not dpo, window_context=cfg.window_context)
     examples = [e for e in examples if e.n_targets > 0]
     if not examples:
         raise TableError(label, "action", "no action tokens left to train on after truncation")
     pairs: list[tuple[int, int]] = []
-    if cfg.objective == "dpo":
+    if dpo:
         pos = {e.traj_id: i for i, e in enumerate(examples)}
         pairs = [(pos[c], pos[r]) for c, r in table_info["pairs"] if c in pos and r in pos]
         if not pairs:
             raise TableError(label, "action", "no preference pair left with action tokens after truncation")
     if cfg.normalize_advantage and cfg.uses_advantage:
-        allv = np.concatenate([e.advantages for e in examples])
+        per_traj = {e.traj_id: e.advantages for e in examples}
+        allv = np.concatenate(list(per_traj.values()))
         mu, sd = float(allv.mean()), float(allv.std()) + 1e-8
+        normed = {t: ((a - mu) / sd).astype(np.float32) for t, a in per_traj.items()}
         for e in examples:
-            e.advantages = ((e.advantages - mu) / sd).astype(np.float32)
-    return PolicyData(examples, pairs, cfg.objective == "dpo", pad_id_of(tok), table_info, label)
+            e.advantages = normed[e.traj_id]
+    return PolicyData(examples, pairs, dpo, pad_id_of(tok), table_info, label)
 
 
 @dataclass
@@ -336,10 +341,13 @@ def summarize(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, result, unwrapped
         d = [a2[1] - a1[1] for a1, a2 in zip(before["per_step"], after["per_step"], strict=False) if np.sign(a1[0]) == sign]
         return float(np.mean(d)) if d else None
 
+    trajs = {e.traj_id: e.advantages for e in pd.examples}
     metrics: dict[str, Any] = {
         "objective": cfg.objective,
-        "trajectories": len(pd.examples),
-        "steps": int(sum(e.advantages.size for e in pd.examples)),
+        "trajectories": len(trajs),
+        "sequences": len(pd.examples),
+        "steps": int(sum(a.size for a in trajs.values())),
+        "steps_trained": int(sum(len(np.unique(e.step[e.loss_mask])) for e in pd.examples)),
         "optimizer_steps": result.steps,
         "epochs": cfg.epochs,
         "resumed_from_epoch": result.resumed_from_epoch,
@@ -352,7 +360,7 @@ def summarize(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, result, unwrapped
         "nll_after": after["nll"],
         "logp_delta_pos_adv": delta(1),
         "logp_delta_neg_adv": delta(-1),
-        "truncated_trajectories": sum(1 for e in pd.examples if e.dropped_turns or e.cut),
+        "truncated_trajectories": len({e.traj_id for e in pd.examples if e.dropped_turns or e.cut}),
         "final_loss": result.last_metrics.get("loss"),
         **inputs,
     }

@@ -94,6 +94,15 @@ def test_token_counts_equal_a_reference_loop(tiny_model_dir, tmp_path):
     assert got.trajectories == 3 and got.steps == 3
     assert got.completion == pytest.approx(sum(comp) / 9) and got.prompt == pytest.approx(sum(prompt) / 9)
     assert got.trajectory == pytest.approx(sum(traj) / 3) and got.trajectory_max == max(traj)
+    # no token limit: the critic trains on the whole trajectory, the policy on it up to the last action
+    last = [count(df.filter(df["traj_id"] == f"tr{k}").sort("step")["next_observation"][2]) + MESSAGE_OVERHEAD
+            for k in range(3)]
+    assert got.critic_tokens == pytest.approx(sum(traj) / 3)
+    assert got.policy_tokens == pytest.approx((sum(traj) - sum(last)) / 3)
+    # a limit shorter than the trajectories: windows hold more tokens than the capped trajectory
+    short = measure([tmp_path / "t.parquet"], "textcraft", count, how, max_length=min(traj) - 20,
+                    critic_max_length=min(traj) - 20)
+    assert short.trajectory < got.trajectory < short.policy_tokens < short.critic_tokens
     chars, how = counter(None, chars_per_token=2.0)
     assert chars("abcdef") == 3 and how == "2 characters per token"
 
@@ -186,3 +195,20 @@ def test_plan_errors_are_one_line(tmp_path):
         assert p.returncode == 2 and len(err) == 1 and msg in err[0], (args, p.stderr)
     p = run_qevolve("plan", "--env", "textcraft", "--model", str(model))
     assert p.returncode == 2 and "--expert: no token counts for textcraft" in p.stderr
+
+
+def test_window_tokens_hand_computed():
+    """The planner's count of training tokens per trajectory (docs/policy.md, "Long trajectories"):
+    head 10, six steps of 2-token actions and 3-token observations (lengths 12 + 5 (t - j) for the
+    policy's window (j, t), 15 + 5 (t - j) for the critic's), max_length 30."""
+    from qevolve_cli.planner.tokens import window_tokens
+
+    a, u = [2] * 6, [3] * 6
+    assert window_tokens(10, u, a, 0, 0.5, critic=False) == 37  # fits: the whole trajectory
+    assert window_tokens(10, u, a, 0, 0.5, critic=True) == 40
+    # window_context 1: j = 0,0,0,0,1,2 -> windows (0..3) 27, (1..4) 27, (2..5) 27
+    assert window_tokens(10, u, a, 30, 1.0, critic=False) == 81
+    # 0.5: a new window starts within 10 + 0.5 * 20 = 20 tokens: j = 0,0,0,0,3,3 -> 27 + 22
+    assert window_tokens(10, u, a, 30, 0.5, critic=False) == 49
+    # the critic's windows end on the next observation: j = 0,0,0,0,1,2 -> 30 + 30 + 30
+    assert window_tokens(10, u, a, 30, 1.0, critic=True) == 90

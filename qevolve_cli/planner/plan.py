@@ -150,7 +150,9 @@ def plan_run(inp: PlanInputs) -> dict[str, Any]:
         r, c, p = cfgs["rollout"], cfgs["critic"], cfgs["policy"]
         n_roll = inp.train_tasks * r.n_per_task
         buffer_traj = inp.expert_trajectories + n_roll
-        buffer_tokens = inp.expert_trajectories * inp.expert.trajectory + n_roll * inp.stats.trajectory
+        # what each trainer runs over: long trajectories are split into windows (docs/policy.md, docs/critic.md)
+        critic_tokens = inp.expert_trajectories * inp.expert.critic_tokens + n_roll * inp.stats.critic_tokens
+        policy_tokens = inp.expert_trajectories * inp.expert.policy_tokens + n_roll * inp.stats.policy_tokens
         longest = max(inp.expert.trajectory_max, inp.stats.trajectory_max)
         stages: dict[str, Any] = {}
         stages["rollout"] = generation_stage(inp, n_roll, inp.stats, r)
@@ -160,13 +162,13 @@ def plan_run(inp: PlanInputs) -> dict[str, Any]:
         c_tokens = min(c.batch_size * longest, c.batch_size * (c.max_length or sh.max_positions))
         stages["critic"] = training_stage(
             inp, trainable=2 * lora + heads, frozen_extra=lora, tokens=c_tokens, zero_stages=(0, 2),
-            checkpointing=c.gradient_checkpointing, train_tokens=c.epochs * buffer_tokens, passes=1 + 2 / 3,
+            checkpointing=c.gradient_checkpointing, train_tokens=c.epochs * critic_tokens, passes=1 + 2 / 3,
             logits=False)
         stages["critic"]["epochs"] = c.epochs
         # label --critic: one scoring pass (value and q adapters) over the buffer, forward only
         inf = inference_memory(sh, tokens=c_tokens, b=2, adapters=3 * lora)
         stages["label"] = {"fits": _fits(inf["peak"], inp), "memory": _gib(inf),
-                           "seconds": round(2 * buffer_tokens / (3 * inp.assumptions.train_tps * _scale(inp) * inp.gpus)),
+                           "seconds": round(2 * critic_tokens / (3 * inp.assumptions.train_tps * _scale(inp) * inp.gpus)),
                            "note": "retrospective labels on CPU (seconds); the GPU part is the critic's scoring pass"}
         p_tokens = max(p.micro_batch_tokens, min(longest, p.max_length))
         p_trainable = sh.lora_params(p.lora_r, p.lora_target_modules) if p.lora else None
@@ -174,7 +176,7 @@ def plan_run(inp: PlanInputs) -> dict[str, Any]:
                   "dpo": 1 + 1 / 3}.get(p.objective, 1.0)
         stages["policy"] = training_stage(
             inp, trainable=p_trainable, frozen_extra=0, tokens=p_tokens, zero_stages=(0, 2, 3),
-            checkpointing=p.gradient_checkpointing, train_tokens=p.epochs * buffer_tokens, passes=passes,
+            checkpointing=p.gradient_checkpointing, train_tokens=p.epochs * policy_tokens, passes=passes,
             lora_fallback=None if p.lora else sh.lora_params(p.lora_r, p.lora_target_modules))
         stages["policy"]["epochs"] = p.epochs
         stages["policy"]["mode"] = "lora" if p.lora else "full"
@@ -220,17 +222,18 @@ def build_inputs(*, env: str, model: Path | None, gpus: int, gpus_per_node: int 
     example = tk.shows_example(model_dir, cfg.init_model)
     r1 = cfg.stage("rollout", 1)
     notes = []
+    p1, c1 = cfg.stage("policy", 1), cfg.stage("critic", 1)
+    windows = dict(window_context=p1.window_context, critic_max_length=c1.max_length or 0,
+                   critic_window_context=c1.window_context)
     if expert is not None:
-        ex = tk.measure([expert], env, count, counted_with, r1.max_context, cfg.stage("policy", 1).max_length,
-                        example)
+        ex = tk.measure([expert], env, count, counted_with, r1.max_context, p1.max_length, example, **windows)
     elif env in DEFAULT_STATS:
         ex = TokenStats(**DEFAULT_STATS[env])
     else:
         raise QevolveError(f"--expert: no token counts for {env} built in; give its expert table "
                            f"(qevolve expert --env {env} --limit 200 --out expert.parquet) or --tables")
     if tables:
-        st = tk.measure(tables, env, count, counted_with, r1.max_context, cfg.stage("policy", 1).max_length,
-                        example)
+        st = tk.measure(tables, env, count, counted_with, r1.max_context, p1.max_length, example, **windows)
     else:
         st = ex
         notes.append("rollout token counts are the expert's (a learning policy takes more steps per task); "

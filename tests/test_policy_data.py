@@ -75,7 +75,7 @@ def test_windows_train_every_action_once_in_the_rollouts_context(tok, cut_tokens
     system = instruction_prompt("textcraft")
     full, *_ = encode_trajectory(tok, system, "craft planks", obs, acts, 100000)
     max_len = len(full) - cut_tokens
-    wins = encode_windows(tok, system, "craft planks", obs, acts, max_len)
+    wins = encode_windows(tok, system, "craft planks", obs, acts, max_len, window_context=1.0)
     assert len(wins) >= 2
     owner = {}
     for w, (ids, mask, step, thought, dropped, cut) in enumerate(wins):
@@ -104,7 +104,7 @@ def test_windows_train_every_action_once_in_the_rollouts_context(tok, cut_tokens
                             step=t, instruction="craft planks", observation=o, action=a, command=None,
                             next_observation="ok", reward_env=0.0, done=t == 5, advantage=float(t) - 2.5)
                        for t, (o, a) in enumerate(zip(obs, acts, strict=True))])
-    exs = build_examples(df, tok, max_len, with_advantage=True)
+    exs = build_examples(df, tok, max_len, with_advantage=True, window_context=1.0)
     assert [e.window for e in exs] == list(range(len(wins))) and all(e.traj_id == "t0" for e in exs)
     b = collate(exs, tok.pad_token_id)
     for i, e in enumerate(exs):
@@ -125,7 +125,7 @@ def test_windows_with_room_share_steps_and_still_train_each_action_once(tok, sha
     system = instruction_prompt("textcraft")
     full, *_ = encode_trajectory(tok, system, "craft planks", obs, acts, 100000)
     max_len = len(full) // 2
-    tight = encode_windows(tok, system, "craft planks", obs, acts, max_len)
+    tight = encode_windows(tok, system, "craft planks", obs, acts, max_len, window_context=1.0)
     roomy = encode_windows(tok, system, "craft planks", obs, acts, max_len, window_context=share)
     assert len(roomy) < len(tight)
     def owners(wins):

@@ -25,9 +25,9 @@ and the most recent turns that fit with it, the fewest dropped turns, as the rol
 room left so that the next steps share it (fewer tokens; a step then sees at least that share of
 ``max_length`` as context, and at most what the rollout shows). Steps that share the dropped turns share
 one sequence; the actions of older steps in it are context (no loss). A window that does not fit even
-with one turn is cut at ``max_length``. DPO keeps one sequence per trajectory (its loss compares whole trajectories):
-the oldest turns are dropped until it fits (:func:`encode_trajectory`), and their actions are not
-trained on.
+with one turn is cut at ``max_length``. DPO keeps one sequence per trajectory (its loss compares whole
+trajectories): the oldest turns are dropped until it fits (:func:`encode_trajectory`), and their actions
+are not trained on.
 """
 from __future__ import annotations
 
@@ -167,13 +167,13 @@ def encode_trajectory(tokenizer, system: str, instruction: str, observations: Se
 
 def encode_windows(tokenizer, system: str, instruction: str, observations: Sequence[str],
                    actions: Sequence[str], max_length: int, layout: transcript.Layout | bool = False,
-                   example: str | None = None, window_context: float = 1.0) -> list[Encoded]:
+                   example: str | None = None, window_context: float = 0.5) -> list[Encoded]:
     """Tokenise one trajectory as one sequence per window (module docstring) -> a list of (ids, loss_mask,
     step, is_thought, dropped_turns, cut); every step's action is a target in exactly one of them (unless a
     cut removed it). A trajectory that fits ``max_length`` is one sequence, the same as
     :func:`encode_trajectory`'s. ``window_context`` (PolicyConfig): a new window starts with the fewest
-    dropped turns that leave its body (turns after the head, up to its first action) within that share of
-    ``max_length`` minus the head; 1 = the fewest that fit (each step then sees the rollout's context)."""
+    dropped turns that leave its turns up to its first trained action within that share of ``max_length``
+    minus the head; 1 = the fewest that fit (each step then sees the rollout's context)."""
     n = len(actions)
     lay = transcript.as_layout(layout)
     msgs = transcript.build_messages(system, instruction, list(observations), list(actions), lay, example)
@@ -203,7 +203,7 @@ def encode_windows(tokenizer, system: str, instruction: str, observations: Seque
 
 def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage: bool = False,
                    path: str | None = None, layout: transcript.Layout | None = None,
-                   windows: bool = True, window_context: float = 1.0) -> list[PolicyExample]:
+                   windows: bool = True, window_context: float = 0.5) -> list[PolicyExample]:
     """Tokenise every trajectory of a (validated, step-sorted) table (layout: :func:`transcript.layout_of`):
     one example per window of a long trajectory (:func:`encode_windows`; the windows of one trajectory
     share its ``advantages`` array), or with ``windows=False`` one per trajectory (:func:`encode_trajectory`,

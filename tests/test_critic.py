@@ -389,10 +389,12 @@ def test_time_input_feeds_the_step_index_to_the_heads(tiny_model_dir, tmp_path):
 
     plain = CriticConfig(**SMALL)
     d = dataclasses.asdict(plain)
-    d.pop("time_input"), d.pop("time_scale"), d.pop("share_value_forward"), d.pop("shared_prefix")  # every field added since
+    for k in ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context"):
+        d.pop(k)  # every field added since
     assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() != plain.hash() and CriticConfig(**SMALL, time_scale=8.0).hash() != plain.hash()
     assert CriticConfig(**SMALL, shared_prefix=False).hash() != plain.hash()
+    assert CriticConfig(**SMALL, window_context=1.0).hash() != plain.hash()
 
 
 def test_activation_checkpointing_on_cpu_changes_nothing_and_does_not_warn(tiny_model_dir, tmp_path):

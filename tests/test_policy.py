@@ -510,3 +510,19 @@ def test_advantages_are_normalised_over_steps_not_windows(tiny_model_dir):
            for (tid,), g in df.group_by("traj_id", maintain_order=True)}
     for e in pd.examples:
         np.testing.assert_allclose(e.advantages, ref[e.traj_id], rtol=1e-5, atol=1e-6)
+
+
+def test_fields_added_later_leave_the_hash_at_their_defaults():
+    """Runs made before logits / shared_prefix / window_context existed resume: at their defaults these
+    fields are not in the configuration hash; any other value is a new configuration."""
+    import dataclasses
+    import hashlib
+
+    from qevolve_cli.policy import PolicyConfig
+
+    plain = PolicyConfig()
+    d = dataclasses.asdict(plain)
+    for k in ("logits", "shared_prefix", "window_context"):
+        d.pop(k)
+    assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert PolicyConfig(window_context=1.0).hash() != plain.hash()

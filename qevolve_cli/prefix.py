@@ -221,11 +221,6 @@ def _window_messages(msgs: list[dict], head: int, j: int, b: int, layout: Layout
     return msgs[:head] + msgs[head + 2 * j: next_state_end(b, layout) + 1]
 
 
-def _start_limit(head_len: int, max_length: int, window_context: float) -> float:
-    """Longest first sequence of a new window: the head plus ``window_context`` of the room after it."""
-    return head_len + window_context * max(0, max_length - head_len)
-
-
 def _slow_trajectory(tok, msgs: list[dict], T: int, layout: Layout, max_length: int | None,
                      window_context: float = 1.0):
     """Exact reference for one trajectory: per-prefix render + tokenisation. Returns per-step tuples."""
@@ -236,8 +231,7 @@ def _slow_trajectory(tok, msgs: list[dict], T: int, layout: Layout, max_length: 
         def length(j: int, t: int) -> int:
             return _slow_len(tok, _window_messages(msgs, head, j, t, layout))
 
-        limit = _start_limit(_slow_len(tok, msgs[:head]), max_length, window_context)
-        js = window_starts(T, lambda j, t: length(j, t) <= max_length, lambda j, t: length(j, t) <= limit)
+        js = window_starts(T, length, max_length, _slow_len(tok, msgs[:head]), window_context)
     out = []
     w = -1
     for t in range(T):
@@ -392,8 +386,7 @@ def _fast_rows(ix: _Indexer, msgs, P: np.ndarray, seq_len: int, T: int, max_leng
     def length(j: int, t: int) -> int:
         return int(P[2 * t + 2]) + 1 - shift(j)
 
-    limit = _start_limit(int(P[0]) + 1, max_length, window_context)  # the head ends at s_0's last token
-    js = window_starts(T, lambda j, t: length(j, t) <= max_length, lambda j, t: length(j, t) <= limit)
+    js = window_starts(T, length, max_length, int(P[0]) + 1, window_context)  # the head ends at s_0's last token
     groups: list[tuple[int, int, int]] = []  # (j, first step, last step)
     for t, j in enumerate(js):
         if groups and groups[-1][0] == j:

@@ -155,26 +155,28 @@ def next_state_end(t: int, layout: Layout | bool = False) -> int:
     return 2 * t + 2 + as_layout(layout).first_state
 
 
-def window_starts(n_steps: int, fits: Callable[[int, int], bool],
-                  fits_start: Callable[[int, int], bool] | None = None) -> list[int]:
-    """The sliding-window rule shared by the critic's prefix index and the policy's training sequences.
+def window_starts(n_steps: int, length: Callable[[int, int], int], max_length: int, head_len: int = 0,
+                  window_context: float = 1.0) -> list[int]:
+    """The sliding-window rule shared by the critic's prefix index, the policy's training sequences and the
+    planner's token counts.
 
-    Per step t: the number ``j_t`` of oldest (assistant, user) pairs dropped, never past ``max(t - 1, 0)``
-    (the pair holding o_t stays; when even that does not fit, ``j_t = max(t - 1, 0)`` and the caller cuts).
-    Step t keeps ``j_{t-1}`` while ``fits(j_{t-1}, t)``; otherwise a new window starts at the smallest
-    ``j > j_{t-1}`` with ``fits_start(j, t)`` (default ``fits``: the fewest dropped turns that fit, which is
-    what :func:`truncate` gives the rollout, for a ``fits`` monotone in ``j``). A stricter ``fits_start``
-    starts windows with room left, so that later steps share them. Consecutive steps with the same ``j``
-    share one sequence.
+    ``length(j, t)``: the tokens of the sequence holding step t with its ``j`` oldest (assistant, user) pairs
+    dropped (the head included). Per step t: ``j_t``, never past ``max(t - 1, 0)`` (the pair holding o_t
+    stays; when even that does not fit, ``j_t = max(t - 1, 0)`` and the caller cuts). Step t keeps
+    ``j_{t-1}`` while ``length(j_{t-1}, t) <= max_length``; otherwise a new window starts at the smallest
+    ``j > j_{t-1}`` whose sequence is within the head (``head_len`` tokens) plus ``window_context`` of the
+    room after it. ``window_context`` 1: the fewest dropped turns that fit, which is what :func:`truncate`
+    gives the rollout (for a ``length`` monotone in ``j``); lower: windows start with room left, so that
+    later steps share them. Consecutive steps with the same ``j`` share one sequence.
     """
-    start = fits if fits_start is None else fits_start
+    limit = head_len + window_context * max(0, max_length - head_len)
     js, j = [], 0
     for t in range(n_steps):
         hi = max(t - 1, 0)
         j = min(j, hi)
-        if j < hi and not fits(j, t):
+        if j < hi and length(j, t) > max_length:
             j += 1
-            while j < hi and not start(j, t):
+            while j < hi and length(j, t) > limit:
                 j += 1
         js.append(j)
     return js

@@ -161,12 +161,13 @@ def test_window_starts_reference_loop():
         head = rng.randint(0, 30)
         turn = [rng.randint(1, 20) for _ in range(T)]
         limit = rng.randint(10, 120)
-        fits = lambda j, t: head + sum(turn[j : t + 1]) <= limit  # noqa: E731, B023
+        length = lambda j, t: head + sum(turn[j : t + 1])  # noqa: E731, B023
+        fits = lambda j, t: length(j, t) <= limit  # noqa: E731, B023
         ref = []
         for t in range(T):
             hi = max(t - 1, 0)
             ref.append(next((j for j in range(hi + 1) if fits(j, t)), hi))
-        assert window_starts(T, fits) == ref
+        assert window_starts(T, length, limit) == ref
         # a stricter start: a new window begins at the first j whose body is within half the room
         start = lambda j, t: head + sum(turn[j : t + 1]) <= head + (limit - head) / 2  # noqa: E731, B023
         ref, j = [], 0
@@ -176,9 +177,9 @@ def test_window_starts_reference_loop():
                 j = next((k for k in range(j + 1, hi + 1) if start(k, t)), hi)
             j = min(j, hi)
             ref.append(j)
-        assert window_starts(T, fits, start) == ref
-        assert len(set(ref)) <= len(set(window_starts(T, fits)))  # never more windows than the fewest-dropped rule
-    assert window_starts(3, lambda j, t: False) == [0, 0, 1]  # nothing fits: keep o_t, the caller cuts
+        assert window_starts(T, length, limit, head, 0.5) == ref
+        assert len(set(ref)) <= len(set(window_starts(T, length, limit)))  # never more windows than the fewest-dropped rule
+    assert window_starts(3, lambda j, t: 10**9, 10) == [0, 0, 1]  # nothing fits: keep o_t, the caller cuts
 
 
 def _table(adv):

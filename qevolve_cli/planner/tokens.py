@@ -99,8 +99,7 @@ def window_tokens(head: int, user: Sequence[int], assistant: Sequence[int], max_
     whole = head + sum(assistant) + sum(user[: T - 1]) + tail
     if not max_length or whole <= max_length:
         return whole
-    limit = head + window_context * max(0, max_length - head)
-    js = window_starts(T, lambda j, t: length(j, t) <= max_length, lambda j, t: length(j, t) <= limit)
+    js = window_starts(T, length, max_length, head, window_context)
     return sum(length(js[t], t) for t in range(T) if t + 1 == T or js[t + 1] != js[t])
 
 

@@ -188,9 +188,7 @@ def encode_windows(tokenizer, system: str, instruction: str, observations: Seque
     if _n_tokens(tokenizer, render(tokenizer, msgs)) <= max_length:
         return [_encode(tokenizer, msgs, lay, 0, 0, max_length, 0)]
     head_len = _n_tokens(tokenizer, render(tokenizer, msgs[:head]))
-    start_limit = head_len + window_context * max(0, max_length - head_len)
-    js = transcript.window_starts(n, lambda j, t: length(j, t) <= max_length,
-                                  lambda j, t: length(j, t) <= start_limit)
+    js = transcript.window_starts(n, length, max_length, head_len, window_context)
     out = []
     t0 = 0
     for t in range(n):

@@ -87,7 +87,7 @@ def build_items(df: pl.DataFrame, tokenizer: Any, max_length: int | None = None,
 
     frame = df.with_row_index("_row")
     indexed = all(c in df.columns for c in WINDOW_COLUMNS)
-    if indexed and max_length is not None and df["seq_len"].max() is not None and df["seq_len"].max() > max_length:
+    if indexed and max_length is not None and (df["seq_len"].max() or 0) > max_length:
         indexed = False  # indexed without a budget (or a larger one): window the long trajectories here
     if not indexed:
         frame = add_prefix_positions(frame.drop([c for c in OUT_COLUMNS if c in frame.columns]), tokenizer,

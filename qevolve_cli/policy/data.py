@@ -185,8 +185,9 @@ def encode_windows(tokenizer, system: str, instruction: str, observations: Seque
     def length(j: int, t: int) -> int:
         return _n_tokens(tokenizer, render(tokenizer, window(j, t)))
 
-    if _n_tokens(tokenizer, render(tokenizer, msgs)) <= max_length:
-        return [_encode(tokenizer, msgs, lay, 0, 0, max_length, 0)]
+    whole = _encode(tokenizer, msgs, lay, 0, 0, max_length, 0)
+    if not whole[5]:  # not cut: it fits whole (rendered and tokenised once)
+        return [whole]
     head_len = _n_tokens(tokenizer, render(tokenizer, msgs[:head]))
     js = transcript.window_starts(n, length, max_length, head_len, window_context)
     out = []

@@ -212,3 +212,30 @@ def test_window_tokens_hand_computed():
     assert window_tokens(10, u, a, 30, 0.5, critic=False) == 49
     # the critic's windows end on the next observation: j = 0,0,0,0,1,2 -> 30 + 30 + 30
     assert window_tokens(10, u, a, 30, 1.0, critic=True) == 90
+
+
+def test_builtin_alfworld_counts_follow_the_stages_max_length(tmp_path):
+    """Without --expert, the ALFWorld training tokens per trajectory are the windows measured at the stage's
+    max_length (paper preset 3600, cpu preset's policy 1536: 26 % more tokens than at 3600, so a longer
+    policy stage), and a max_length with no measurement says so in a note."""
+    from qevolve_cli.planner.plan import DEFAULT_WINDOWS
+
+    model = write_config(tmp_path / "llama7b", LLAMA2_7B)
+    table = DEFAULT_WINDOWS["alfworld"]
+    runs = {}
+    for preset in ("paper", "cpu"):
+        p = run_qevolve("plan", "--env", "alfworld", "--model", model, "--preset", preset, "--json", check=True)
+        runs[preset] = json.loads(p.stdout)
+    paper, cpu = runs["paper"], runs["cpu"]
+    assert paper["token_counts"]["expert"]["policy_tokens"] == table[3600][0]
+    assert paper["token_counts"]["expert"]["critic_tokens"] == table[3600][1]
+    assert cpu["token_counts"]["expert"]["policy_tokens"] == table[1536][0]
+    assert not any("built-in training tokens" in n for n in paper["notes"] + cpu["notes"])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy:\n  max_length: 2500\ncritic:\n  max_length: 1000\n")
+    p = run_qevolve("plan", "--env", "alfworld", "--model", model, "--config", cfg, "--json", check=True)
+    r = json.loads(p.stdout)
+    assert r["token_counts"]["expert"]["policy_tokens"] == table[2048][0]
+    assert r["token_counts"]["expert"]["critic_tokens"] == table[1024][1]
+    assert any("policy max_length 2500" in n and "measured at 2048" in n for n in r["notes"])
+    assert any("critic max_length 1000" in n and "measured at 1024" in n for n in r["notes"])

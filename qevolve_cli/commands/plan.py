@@ -21,7 +21,8 @@ setting fits when its peak stays --reserve-gib below the GPU's memory.
 Time: token counts measured on tables (steps per trajectory, prompt and completion
 tokens per step, tokens per trajectory) from --tables (a previous run's rollouts) or
 --expert (the expert data; learned policies take more steps), or, for ALFWorld, the
-counts measured on its expert replays; divided by stated throughputs per GPU (for a
+counts measured on its expert replays (training tokens at the stage's max_length, the
+windows of long trajectories included); divided by stated throughputs per GPU (for a
 7B model on an H100, scaled by model size and GPU; override them).
 \b
 Examples:

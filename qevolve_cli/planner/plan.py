@@ -201,6 +201,41 @@ DEFAULT_STATS: dict[str, dict[str, Any]] = {
                  "trajectory": 1213.4, "trajectory_max": 3600, "counted_with": "4 characters per token"},
 }
 
+# the tokens the policy / the critic train on per trajectory of those replays (TokenStats.policy_tokens /
+# critic_tokens: the windows of a trajectory longer than the stage's max_length, window_context 0.5) at the
+# presets' max_length values (0: no limit), the same count as DEFAULT_STATS: planner.tokens.measure(tables,
+# "alfworld", counter(None, 4.0)[0], ..., max_length=L, critic_max_length=L) on the replays that
+# benchmarks/bench_windows.py writes (~/.cache/qevolve/bench_windows/alfworld_*.parquet)
+DEFAULT_WINDOWS: dict[str, dict[int, tuple[float, float]]] = {
+    "alfworld": {1024: (2023.7, 2030.0), 1536: (1536.8, 1542.0), 2048: (1388.4, 1409.4), 3072: (1255.3, 1269.5),
+                 3600: (1218.9, 1233.1), 4096: (1220.5, 1234.4), 0: (1207.7, 1221.8)},
+}
+
+
+def builtin_stats(env: str, max_length: int, critic_max_length: int, window_context: float,
+                  critic_window_context: float) -> tuple[TokenStats, list[str]]:
+    """The built-in token counts of ``env`` (``DEFAULT_STATS``) with the training tokens per trajectory at the
+    stages' max_length (``DEFAULT_WINDOWS``: the measured value at the nearest max_length) -> (stats, notes)."""
+    stats = TokenStats(**DEFAULT_STATS[env])
+    table, notes = DEFAULT_WINDOWS.get(env), []
+    if not table:
+        return stats, notes
+    measured = sorted(k for k in table if k)
+
+    def at(length: int, which: int, stage: str) -> float:
+        if length not in table:
+            near = min(measured, key=lambda k: abs(k - length))
+            notes.append(f"{stage} max_length {length}: the built-in training tokens are those measured at "
+                         f"{near}; pass --expert (an expert table) for this length's")
+            length = near
+        return table[length][which]
+
+    stats.policy_tokens = at(max_length or 0, 0, "policy")
+    stats.critic_tokens = at(critic_max_length or 0, 1, "critic")
+    if window_context != 0.5 or critic_window_context != 0.5:
+        notes.append("the built-in training tokens are window_context 0.5's; pass --expert for this run's")
+    return stats, notes
+
 
 def build_inputs(*, env: str, model: Path | None, gpus: int, gpus_per_node: int | None, gpu: str,
                  gpu_gib: float | None, preset: str, config: Path | None, iters: int | None,
@@ -228,7 +263,9 @@ def build_inputs(*, env: str, model: Path | None, gpus: int, gpus_per_node: int 
     if expert is not None:
         ex = tk.measure([expert], env, count, counted_with, r1.max_context, p1.max_length, example, **windows)
     elif env in DEFAULT_STATS:
-        ex = TokenStats(**DEFAULT_STATS[env])
+        ex, builtin_notes = builtin_stats(env, p1.max_length, c1.max_length or 0, p1.window_context,
+                                          c1.window_context)
+        notes.extend(builtin_notes)
     else:
         raise QevolveError(f"--expert: no token counts for {env} built in; give its expert table "
                            f"(qevolve expert --env {env} --limit 200 --out expert.parquet) or --tables")

@@ -5,8 +5,8 @@ ScienceWorld train shards 7, 27, 47 of 60, made once into ``--cache``) and each 
 
 * policy (``policy.data.build_examples``): steps whose action is a training target, training sequences,
   their tokens, the mean context before a trained action and the build time, for one sequence per
-  trajectory (the oldest turns dropped: the baseline, and what DPO still does) and for windows with each
-  ``--window-context``;
+  trajectory (the oldest turns dropped: the baseline, what every objective did before windows) and for
+  windows with each ``--window-context``;
 * critic (``prefix.add_prefix_positions``): steps trained, sequences and tokens when whole trajectories
   longer than ``max_length`` are skipped (the baseline: what a table indexed without a budget gave the
   critic) and with windows for each ``--window-context``.

@@ -175,6 +175,20 @@ def sequence_logratio(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Te
     return fill_masked(d, mask).sum(dim=-1)
 
 
+def trajectory_logratio(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor,
+                        n: int) -> torch.Tensor:
+    """Per-trajectory log-ratio of trajectories split over several rows (windows): (B, T) x 3, owner (B,) -> (n,).
+
+    Row b belongs to trajectory ``owner[b]`` (in ``0..n-1``); entry i is the sum of
+    :func:`sequence_logratio` over its rows. With windows in which every action is a target exactly
+    once (``policy.data.encode_windows``) this is ``log pi(trajectory actions) - log pi_ref(...)`` of
+    the whole trajectory, each action scored in its window's context. Masked positions have no
+    effect (:func:`sequence_logratio`).
+    """
+    rows = sequence_logratio(logp, logp_ref, mask)
+    return torch.zeros(n, dtype=rows.dtype, device=rows.device).index_add(0, owner.to(rows.device), rows)
+
+
 def dpo_loss(logratio_chosen: torch.Tensor, logratio_rejected: torch.Tensor,
              beta: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
     """DPO (Rafailov et al. 2023; ETO: trajectory pairs) to *minimise* -> (scalar, stats).

@@ -246,6 +246,39 @@ def test_dpo_hand_computed():
     assert algos.sequence_logratio(lp, ref, mask, w).tolist() == [0.5, -2.0]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_trajectory_logratio_matches_reference_loop(seed):
+    """Rows (windows) owned by trajectories: each trajectory's log-ratio is the sum over its rows' unmasked
+    tokens; NaN at masked positions and a trajectory's row order change nothing."""
+    lp, _, ref, _, m, _ = rand_case(seed, B=6, T=7)
+    owner = torch.tensor([2, 0, 2, 1, 2, 0])
+    out = algos.trajectory_logratio(lp, ref, m, owner, 4)
+    exp = [0.0] * 4
+    for b in range(6):
+        for t in range(7):
+            if m[b, t]:
+                exp[int(owner[b])] += float(lp[b, t] - ref[b, t])
+    assert out.shape == (4,) and out.tolist() == pytest.approx(exp, rel=1e-12, abs=1e-12)
+    assert float(out[3]) == 0.0  # a trajectory with no row
+    lp2 = torch.where(m.bool(), lp, torch.full_like(lp, float("nan")))
+    perm = torch.tensor([5, 3, 1, 0, 4, 2])
+    out2 = algos.trajectory_logratio(lp2[perm], ref[perm], m[perm], owner[perm], 4)
+    assert out2.tolist() == pytest.approx(exp, rel=1e-12, abs=1e-12)
+
+
+def test_trajectory_logratio_hand_computed_and_its_gradient():
+    # trajectory 0 in two windows: (-1 - -2) + (-0.5 - -1) = 1.5; trajectory 1 in one: (-3 - -1) = -2
+    lp = torch.tensor([[-1.0, 7.0], [-0.5, 0.0], [-3.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-2.0, 0.0], [-1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0], [1, 0], [1, 0]], dtype=torch.bool)
+    r = algos.trajectory_logratio(lp, ref, mask, torch.tensor([0, 0, 1]), 2)
+    assert r.tolist() == [1.5, -2.0]
+    loss, _ = algos.dpo_loss(r[:1], r[1:], beta=0.1)  # z = 0.35
+    loss.backward()
+    g = 0.1 / (1.0 + math.exp(0.35))  # beta * sigmoid(-z): the same on every window of the chosen trajectory
+    assert lp.grad[:, 0].tolist() == pytest.approx([-g, -g, g]) and lp.grad[:, 1].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     lp = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]], dtype=torch.float64, requires_grad=True)
     ref = lp.detach().clone()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -481,6 +482,47 @@ def test_bc_on_trajectories_longer_than_max_length_trains_their_first_actions(ti
     # measured: 133 vs 68 nats with windows; one sequence per trajectory (only the 4 newest steps trained)
     # gave 22 vs 31: the opening action then only gains what it shares with the others
     assert gain_last > 5 and gain_first > gain_last, (gain_first, gain_last)
+
+
+def test_dpo_on_trajectories_longer_than_max_length_scores_their_first_actions(tiny_model_dir, tmp_path):
+    """DPO's trajectory log-ratio sums the trajectory's windows (docs/policy.md, "Long trajectories"): chosen
+    and rejected trajectories that differ only in their opening action, too old to fit one sequence with the
+    last step. One sequence per trajectory (the oldest turns dropped) would give two identical sequences and
+    no gradient; the windows raise the chosen opening and lower the rejected one."""
+    from transformers import AutoTokenizer
+
+    from qevolve_cli.policy import PolicyConfig, train_policy
+    from qevolve_cli.policy.data import build_examples
+
+    good = "Thought: The wooden chest must be opened before anything else.\nAction: open the wooden chest"
+    bad = "Thought: The wooden chest can wait until later on.\nAction: look around the room"
+    rows = []
+    for k in range(2):
+        for tid, source, first, reward in ((f"e{k}", "expert", good, 1.0), (f"f{k}", "self", bad, 0.0)):
+            acts = [first] + [f"Thought: Gather more.\nAction: get {t} oak log" for t in range(1, 6)]
+            for t, a in enumerate(acts):
+                rows.append(dict(traj_id=tid, env="textcraft", task_id=str(k), split="train", source=source,
+                                 iteration=0 if source == "expert" else 1, step=t,
+                                 instruction=f"craft {k + 1} oak planks",
+                                 observation=f"Room {t}: " + "logs and planks lie around. " * 12, action=a,
+                                 command=None, next_observation="ok", reward_env=reward * (t == 5), done=t == 5))
+    df = pl.DataFrame(rows)
+    data = tmp_path / "long.parquet"
+    write_table(df, data)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (whole,) = build_examples(df.filter(pl.col("traj_id") == "e0"), tok, 100_000)
+    max_length = len(whole) // 2
+    one = [build_examples(df.filter(pl.col("traj_id") == t), tok, max_length, windows=False)[0] for t in ("e0", "f0")]
+    assert 0 not in set(one[0].step[one[0].loss_mask].tolist())  # one sequence cannot hold the opening action
+    assert np.array_equal(one[0].input_ids, one[1].input_ids)  # ... and the two sides' sequences are the same
+    before = summed_logprobs(tiny_model_dir, df)
+    cfg = PolicyConfig(objective="dpo", lr=2e-3, epochs=4, micro_batch_size=2, warmup_ratio=0.0, seed=0,
+                       max_length=max_length)
+    m = train_policy(cfg, data, tiny_model_dir, tmp_path / "dpo", quiet=True)
+    assert m["dpo_pairs"] == 2 and m["sequences"] > 4 and m["steps"] == m["steps_trained"] == 24
+    assert m["dpo_margin_before"] != 0.0 and m["dpo_margin_after"] > m["dpo_margin_before"] + 5
+    after = summed_logprobs(tmp_path / "dpo", df)
+    assert after[good] - before[good] > after[bad] - before[bad] + 5, (before, after)
 
 
 def test_advantages_are_normalised_over_steps_not_windows(tiny_model_dir):

@@ -50,7 +50,7 @@ def _long(n=6, words=40):
     return obs, acts
 
 
-def test_dpo_truncation_drops_oldest_turns_and_keeps_step_indices(tok):
+def test_one_sequence_truncation_drops_oldest_turns_and_keeps_step_indices(tok):
     obs, acts = _long()
     full, *_ = encode_trajectory(tok, instruction_prompt("textcraft"), "craft planks", obs, acts, 100000)
     max_len = len(full) - 150
@@ -111,7 +111,7 @@ def test_windows_train_every_action_once_in_the_rollouts_context(tok, cut_tokens
         st = e.step[1:]
         m = b["mask"][i, : len(e) - 1].numpy()
         assert (b["adv"][i, : len(e) - 1].numpy()[m] == st[m] - 2.5).all()
-    (one,) = build_examples(df, tok, max_len, windows=False)  # DPO's single sequence keeps the newest only
+    (one,) = build_examples(df, tok, max_len, windows=False)  # the one-sequence baseline keeps the newest only
     assert set(one.step[one.loss_mask].tolist()) < set(range(6))
 
 

@@ -73,8 +73,8 @@ def test_policy_masks_with_the_example_layout(smollm2_dir):
     text = tok.decode(full.input_ids)
     assert "<|im_start|>assistant\nOK<|im_end|>" in text and "Here is an example." in text
     windows = build_examples(df, tok, len(full) - 120)
-    (dpo,) = build_examples(df, tok, len(full) - 120, windows=False)
-    for ex in (full, *windows, dpo):
+    (one,) = build_examples(df, tok, len(full) - 120, windows=False)  # the one-sequence baseline
+    for ex in (full, *windows, one):
         kept = sorted(set(ex.step[ex.step >= 0].tolist()))
         assert (ex.loss_mask == (ex.step >= 0)).all() and (ex is full or len(ex) <= len(full) - 120)
         for t in kept:
@@ -84,8 +84,8 @@ def test_policy_masks_with_the_example_layout(smollm2_dir):
     # windows: every action a target once; the later windows dropped turns after the head (example kept)
     owned = [t for ex in windows for t in sorted(set(ex.step[ex.loss_mask].tolist()))]
     assert owned == list(range(6)) and len(windows) >= 2 and windows[-1].dropped_turns >= 1
-    kept = sorted(set(dpo.step[dpo.loss_mask].tolist()))  # DPO's one sequence keeps the newest steps
-    assert dpo.dropped_turns >= 1 and kept == list(range(dpo.dropped_turns, 6))
+    kept = sorted(set(one.step[one.loss_mask].tolist()))  # one sequence keeps the newest steps
+    assert one.dropped_turns >= 1 and kept == list(range(one.dropped_turns, 6))
 
 
 def test_model_answers(smollm2_dir, one_thread):

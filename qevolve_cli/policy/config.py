@@ -34,7 +34,7 @@ class PolicyConfig(ConfigBase):
     # batching ("dynamic" batch size: a padded-token budget per forward pass)
     max_length: int = field(4096, help="Maximum tokens of one training sequence. A longer trajectory is split "
                                        "into windows (the head + recent turns; each action trained once; dpo: "
-                                       "one sequence, its oldest turns dropped). docs/policy.md, 'Long "
+                                       "a trajectory's log-ratio sums its windows). docs/policy.md, 'Long "
                                        "trajectories'.", ge=16)
     window_context: float = field(0.5, help="Share of max_length (after the head) a new window of a long "
                                             "trajectory starts with as context: 1 = the most turns that fit (the "

@@ -25,9 +25,10 @@ and the most recent turns that fit with it, the fewest dropped turns, as the rol
 room left so that the next steps share it (fewer tokens; a step then sees at least that share of
 ``max_length`` as context, and at most what the rollout shows). Steps that share the dropped turns share
 one sequence; the actions of older steps in it are context (no loss). A window that does not fit even
-with one turn is cut at ``max_length``. DPO keeps one sequence per trajectory (its loss compares whole
-trajectories): the oldest turns are dropped until it fits (:func:`encode_trajectory`), and their actions
-are not trained on.
+with one turn is cut at ``max_length``. DPO uses the same windows: a trajectory's log-ratio is the sum over
+its windows (each action counted once). :func:`encode_trajectory` is the one-sequence alternative (the
+oldest turns dropped until it fits, as the rollout shows the policy its last step; their actions are not
+targets): ``benchmarks/bench_windows.py``'s baseline.
 """
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def encode_trajectory(tokenizer, system: str, instruction: str, observations: Se
                       example: str | None = None) -> Encoded:
     """Tokenise one trajectory as one sequence -> (ids, loss_mask, step, is_thought, dropped_turns, cut): the
     oldest turns are dropped until it fits (:func:`qevolve_cli.transcript.truncate`; their actions are not
-    targets). DPO's sequences; the token-level objectives use :func:`encode_windows`.
+    targets). Every objective trains on :func:`encode_windows`; this is its one-sequence baseline.
 
     ``example``: the environment's in-context example, needed when ``layout.example``.
     """
@@ -206,7 +207,7 @@ def build_examples(df: pl.DataFrame, tokenizer, max_length: int, with_advantage:
     """Tokenise every trajectory of a (validated, step-sorted) table (layout: :func:`transcript.layout_of`):
     one example per window of a long trajectory (:func:`encode_windows`; the windows of one trajectory
     share its ``advantages`` array), or with ``windows=False`` one per trajectory (:func:`encode_trajectory`,
-    DPO)."""
+    the oldest turns dropped: the baseline of ``benchmarks/bench_windows.py``)."""
     from qevolve_cli.envs.prompts import example_prompt, instruction_prompt
     from qevolve_cli.schema import sort_steps
 

@@ -165,17 +165,18 @@ def step_logprob_stats(examples: list[PolicyExample], logps: list[np.ndarray]) -
     return {"nll": tot / max(1, n), "per_step": per_step, "tokens": n}
 
 
-def dpo_pair_stats(examples: list[PolicyExample], pairs: list[tuple[int, int]], lp_before: list[np.ndarray],
-                   lp_after: list[np.ndarray], lp_ref: list[np.ndarray], beta: float) -> dict[str, Any]:
-    """Trajectory log-probs (summed over the loss tokens) of the pairs before / after training.
+def dpo_pair_stats(examples: list[PolicyExample], pairs: list[tuple[list[int], list[int]]],
+                   lp_before: list[np.ndarray], lp_after: list[np.ndarray], lp_ref: list[np.ndarray],
+                   beta: float) -> dict[str, Any]:
+    """Trajectory log-probs (summed over the loss tokens of the trajectory's windows, the example indices of
+    each side of a pair) of the pairs before / after training.
 
     ``dpo_chosen_logp_delta`` / ``dpo_rejected_logp_delta``: mean change of log pi(chosen) / log pi(rejected);
     ``dpo_margin_before/after``: mean of log pi(chosen) - log pi(rejected); ``dpo_accuracy_after``: share of
     pairs whose implicit reward beta * (log-ratio to pi_ref) is higher for the chosen trajectory.
     """
-    def tot(lps: list[np.ndarray], i: int) -> float:
-        e = examples[i]
-        return float(lps[i][: len(e) - 1][e.loss_mask[1:]].sum())
+    def tot(lps: list[np.ndarray], rows: list[int]) -> float:
+        return float(sum(lps[i][: len(examples[i]) - 1][examples[i].loss_mask[1:]].sum() for i in rows))
 
     cb = np.array([tot(lp_before, c) for c, _ in pairs])
     rb = np.array([tot(lp_before, r) for _, r in pairs])

@@ -158,11 +158,12 @@ def load_policy(cfg: PolicyConfig, model_path: Path, device: str):
 
 @dataclass
 class PolicyData:
-    """What one run trains on: the tokenised examples and, for dpo, the (chosen, rejected) pairs of example
-    indices, dpo's training units (a micro-batch holds example indices, under dpo pair indices)."""
+    """What one run trains on: the tokenised examples (one per window of a trajectory) and, for dpo, the
+    (chosen, rejected) trajectory pairs as the example indices of each side's windows, dpo's training units
+    (a micro-batch holds example indices, under dpo pair indices)."""
 
     examples: list[PolicyExample]
-    pairs: list[tuple[int, int]]
+    pairs: list[tuple[list[int], list[int]]]
     dpo: bool
     pad_id: int
     table_info: dict[str, Any]
@@ -175,23 +176,34 @@ class PolicyData:
     def micro_tokens(self, idx: list[int]) -> int:
         """Tokens of a micro-batch's sequences (throughput)."""
         if self.dpo:
-            return sum(len(self.examples[self.pairs[p][0]]) + len(self.examples[self.pairs[p][1]]) for p in idx)
+            return sum(len(self.examples[i]) for p in idx for side in self.pairs[p] for i in side)
         return sum(len(self.examples[i]) for i in idx)
+
+    def pair_rows(self, idx: list[int]) -> tuple[list[int], list[int], int]:
+        """dpo: the example rows of pairs ``idx`` (every chosen window, then every rejected window) and the
+        trajectory each row belongs to (0..n-1 the chosen sides, n..2n-1 the rejected ones) -> (rows, owner,
+        number of chosen rows)."""
+        chosen = [(i, k) for k, p in enumerate(idx) for i in self.pairs[p][0]]
+        rejected = [(i, len(idx) + k) for k, p in enumerate(idx) for i in self.pairs[p][1]]
+        rows = chosen + rejected
+        return [i for i, _ in rows], [k for _, k in rows], len(chosen)
 
 
 def build_policy_data(cfg: PolicyConfig, df, table_info: dict[str, Any], tok, label: str) -> PolicyData:
-    """Tokenise the selected rows (one example per window of a trajectory, dpo: per trajectory; those with a
-    target token), map dpo's trajectory pairs onto example indices and normalise the advantages
+    """Tokenise the selected rows (one example per window of a trajectory; those with a target token), map
+    dpo's trajectory pairs onto the example indices of their windows and normalise the advantages
     (``normalize_advantage``; each trajectory's steps counted once, whatever its number of windows)."""
     dpo = cfg.objective == "dpo"
     examples = build_examples(df, tok, cfg.max_length, with_advantage=cfg.uses_advantage, path=label,
-                              windows=not dpo, window_context=cfg.window_context)
+                              window_context=cfg.window_context)
     examples = [e for e in examples if e.n_targets > 0]
     if not examples:
         raise TableError(label, "action", "no action tokens left to train on after truncation")
-    pairs: list[tuple[int, int]] = []
+    pairs: list[tuple[list[int], list[int]]] = []
     if dpo:
-        pos = {e.traj_id: i for i, e in enumerate(examples)}
+        pos: dict[str, list[int]] = {}
+        for i, e in enumerate(examples):
+            pos.setdefault(e.traj_id, []).append(i)
         pairs = [(pos[c], pos[r]) for c, r in table_info["pairs"] if c in pos and r in pos]
         if not pairs:
             raise TableError(label, "action", "no preference pair left with action tokens after truncation")
@@ -266,12 +278,12 @@ def initial_logprobs(cfg: PolicyConfig, policy, pd: PolicyData, ref, backend, la
 
 def make_steps(cfg: PolicyConfig, pd: PolicyData, epoch: int) -> list[list[list[int]]]:
     """The epoch's optimiser steps: token-budget micro-batches (``micro_batch_tokens``, at most
-    ``micro_batch_size`` sequences; a dpo pair is two sequences padded together) shuffled with the seed and the
-    epoch, ``grad_accum_steps`` per step."""
+    ``micro_batch_size`` sequences; a dpo pair is its two trajectories' windows padded together, never split)
+    shuffled with the seed and the epoch, ``grad_accum_steps`` per step."""
     from qevolve_cli.training import group_steps, token_budget_batches
 
     if pd.dpo:
-        lens = [2 * max(len(pd.examples[c]), len(pd.examples[r])) for c, r in pd.pairs]
+        lens = [(len(c) + len(r)) * max(len(pd.examples[i]) for i in c + r) for c, r in pd.pairs]
         cap = max(1, cfg.micro_batch_size // 2) if cfg.micro_batch_size else 0
         mbs = token_budget_batches(lens, cfg.micro_batch_tokens, cap, shuffle=True, seed=cfg.seed * 1000003 + epoch)
         return group_steps(mbs, cfg.grad_accum_steps)
@@ -283,17 +295,20 @@ def make_steps(cfg: PolicyConfig, pd: PolicyData, epoch: int) -> list[list[list[
 def policy_loss(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, layout: Layout, m, idx: list[int], ctx: dict):
     """The objective's loss on one micro-batch -> (mean loss, metrics): bc / rft token NLL, awr, bppo (clipped
     ratio to pi_old, KL to pi_ref) or dpo (+ NLL of the chosen, ``dpo_nll_weight``); the losses are ``algos.py``'s."""
-    from qevolve_cli.algos import awr_loss, bppo_loss, dpo_nll_loss, sequence_logratio, token_nll
+    import torch
+
+    from qevolve_cli.algos import awr_loss, bppo_loss, dpo_nll_loss, token_nll, trajectory_logratio
 
     if pd.dpo:
-        rows = [pd.pairs[p][0] for p in idx] + [pd.pairs[p][1] for p in idx]
+        rows, owner, n_chosen = pd.pair_rows(idx)
         batch = collate([pd.examples[i] for i in rows], pd.pad_id, cfg.thought_weight, None,
                         [lp.ref[i] for i in rows])
         logp = batch_logprobs(m, batch, ctx["device"], *layout).float()
         mask = batch["mask"].to(logp.device)
-        ratio = sequence_logratio(logp, batch["logp_ref"].to(logp.device), mask)
         n = len(idx)
-        return dpo_nll_loss(ratio[:n], ratio[n:], logp[:n], mask[:n], cfg.dpo_beta, cfg.dpo_nll_weight)
+        ratio = trajectory_logratio(logp, batch["logp_ref"].to(logp.device), mask, torch.tensor(owner), 2 * n)
+        return dpo_nll_loss(ratio[:n], ratio[n:], logp[:n_chosen], mask[:n_chosen], cfg.dpo_beta,
+                            cfg.dpo_nll_weight)
     exs = [pd.examples[i] for i in idx]
     old = [lp.old[i] for i in idx] if lp.old is not None else None
     refl = [lp.ref[i] for i in idx] if lp.ref is not None else None

@@ -25,7 +25,7 @@ from qevolve_cli.tokenizer import load_tokenizer
 
 @dataclass
 class LabelConfig(ConfigBase):
-    HASH_OMIT_AT_DEFAULT = ("step_limit",)  # added 2026-11-28: older runs resume
+    HASH_OMIT_AT_DEFAULT = ("step_limit", "window_context")  # added 2026-11-28/29: older runs resume
     rules: str | None = field(None, help="YAML file of per-environment labelling rules (default: configs/labels.yaml).")
     retrospective: bool = field(True, help="Assign retrospective auxiliary rewards; false = ablation 'w/o RR' (all zero).")
     weight_temporal: bool = field(True, help="Keep the temporal term t/T of the step weight w_t.")
@@ -41,6 +41,11 @@ class LabelConfig(ConfigBase):
     max_length: int | None = field(None, help="Token budget for prefix indexing (None: no budget, whole "
                                                 "trajectories; the critic windows longer ones with its own "
                                                 "max_length).", gt=0)
+    window_context: float = field(0.5, help="With max_length: share of max_length (after the head) a new window "
+                                            "of a long trajectory starts with as context, the critic's rule "
+                                            "(CriticConfig.window_context, default 0.5: give the critic's value "
+                                            "so that it trains in these windows; 1 = the rollout's contexts).",
+                                  gt=0, le=1)
     value_source: str = field(
         "critic",
         help="Where value/next_value come from: critic (--critic DIR, or the input's columns), oracle (the "
@@ -145,7 +150,8 @@ def label_frame(
         from qevolve_cli.prefix import add_prefix_positions
 
         pstats: dict[str, Any] = {}
-        df = add_prefix_positions(df, tokenizer, max_length=cfg.max_length, stats=pstats)
+        df = add_prefix_positions(df, tokenizer, max_length=cfg.max_length, window_context=cfg.window_context,
+                                  stats=pstats)
         timings["prefix"] = time.perf_counter() - t0
         timings["prefix_stats"] = pstats  # fallbacks to the slow path, truncated / overlong steps
 

@@ -477,3 +477,29 @@ def test_long_trajectories_are_trained_and_scored_in_windows(tiny_model_dir, tmp
     assert not np.allclose(a["value"].to_numpy()[late], c["value"].to_numpy()[late], atol=1e-4)
     # the first window is a prefix of the whole trajectory: same causal contexts, same values
     np.testing.assert_allclose(a["value"].to_numpy()[~late], c["value"].to_numpy()[~late], atol=1e-5)
+
+
+def test_label_max_length_indexes_the_windows_the_critic_makes(tiny_model_dir, tmp_path):
+    """`qevolve label --tokenizer T --max-length N` writes the windows of the critic's rule (window_context 0.5
+    by default, the critic's): the critic trains on that table in the same windows it makes itself from an
+    unindexed table. --window-context 1 gives the rollout's contexts: more windows."""
+    from tests.conftest import run_qevolve
+
+    df = labelled(n_traj=3, mean_steps=6, seed=3, obs_words=30)
+    tok = load_tokenizer(tiny_model_dir)
+    budget = max(len(i.input_ids) for i in build_items(df, tok)) * 2 // 3  # no budget: whole trajectories
+    src = tmp_path / "t.parquet"
+    schema.write_table(df, src)
+    own = build_items(df, tok, max_length=budget, window_context=CriticConfig().window_context)
+    assert len(own) > len({i.traj_id.split("#")[0] for i in own})  # windows were made
+    for share, flag in ((0.5, []), (1.0, ["--window-context", "1"])):
+        out = tmp_path / f"l{share}.parquet"
+        run_qevolve("label", src, "--tokenizer", tiny_model_dir, "--max-length", budget, *flag, "--out", out,
+                    "--quiet", check=True)
+        indexed = pl.read_parquet(out)
+        items = build_items(indexed, tok, max_length=budget, window_context=CriticConfig().window_context)
+        same = [(i.traj_id, i.input_ids.tolist(), i.pos_s.tolist()) for i in items] == \
+               [(i.traj_id, i.input_ids.tolist(), i.pos_s.tolist()) for i in own]
+        assert same == (share == 0.5), share
+        if share == 1.0:
+            assert len(items) > len(own)

@@ -107,8 +107,9 @@ def test_label_step_limit_fills_steps_left_where_missing(tmp_path, buffers):
     assert "steps_left" not in schema.read_table(pe).columns
     d = dataclasses.asdict(LabelConfig())
     d.pop("step_limit")
+    d.pop("window_context")
     assert LabelConfig().hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    assert LabelConfig(step_limit=9).hash() != LabelConfig().hash()
+    assert LabelConfig(step_limit=9).hash() != LabelConfig().hash() != LabelConfig(window_context=1.0).hash()
     r = runner.invoke(app, ["label", str(pe), "--out", str(tmp_path / "x.parquet"), "--step-limit", "0"])
     assert r.exit_code == 2 and r.output == "error: --step-limit: must be > 0, got 0\n"
 

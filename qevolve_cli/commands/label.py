@@ -50,6 +50,9 @@ def register(app: typer.Typer) -> None:
         advantage: Annotated[str | None, typer.Option("--advantage", help="Process reward: gae, gae_aux, td, q_minus_v.")] = None,
         retrospective: Annotated[bool | None, typer.Option("--retrospective/--no-retrospective", help="Retrospective labels on/off (ablation).")] = None,
         max_length: Annotated[int | None, typer.Option("--max-length", help="Token budget for prefix indexing.")] = None,
+        window_context: Annotated[float | None, typer.Option(
+            "--window-context", help="With --max-length: share of it a new window of a long trajectory starts with "
+                                     "(the critic's window_context; default 0.5).")] = None,
         value_source: Annotated[str | None, typer.Option(
             "--value-source", help="value/next_value from: critic (default; --critic), oracle (exact V* of the "
                                    "env's solver: lamps, lamps-hard, lamps-habit), tabular_iql (exact IQL on the table).")] = None,
@@ -65,7 +68,7 @@ def register(app: typer.Typer) -> None:
             from qevolve_cli.labeling import LabelConfig, label_tables
 
             flags = flag_layer({"advantage": advantage, "retrospective": retrospective, "max_length": max_length,
-                                "value_source": value_source, "step_limit": step_limit},
+                                "window_context": window_context, "value_source": value_source, "step_limit": step_limit},
                                rename={"retrospective": "--retrospective/--no-retrospective"})
             res = resolve_layers(LabelConfig, file_layers(
                 config, "label" if config and _has_section(config, "label") else None) + [flags])

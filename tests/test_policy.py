@@ -444,6 +444,17 @@ def test_activation_checkpointing_is_enabled_without_a_deprecation_warning(tiny_
                    for m in load_policy(cfg.replace(gradient_checkpointing=False), tiny_model_dir, "cpu")[1].modules())
 
 
+def long_trajectory(traj_id: str, k: int, acts: list[str], source: str = "expert", reward: float = 1.0) -> list[dict]:
+    """The rows of one TextCraft trajectory of task ``k`` with long observations (12 repeated phrases per
+    step) and the final reward ``reward``."""
+    n = len(acts)
+    return [dict(traj_id=traj_id, env="textcraft", task_id=str(k), split="train", source=source,
+                 iteration=0 if source == "expert" else 1, step=t, instruction=f"craft {k + 1} oak planks",
+                 observation=f"Room {t}: " + "logs and planks lie around. " * 12, action=a, command=None,
+                 next_observation="ok", reward_env=reward * (t == n - 1), done=t == n - 1)
+            for t, a in enumerate(acts)]
+
+
 def test_bc_on_trajectories_longer_than_max_length_trains_their_first_actions(tiny_model_dir, tmp_path):
     """Each long trajectory becomes several windows (docs/policy.md, "Long trajectories"): the opening action
     (longer than the last one, so more nats to gain), which dropping the oldest turns would never train on,
@@ -453,15 +464,8 @@ def test_bc_on_trajectories_longer_than_max_length_trains_their_first_actions(ti
 
     first = "Thought: The wooden chest must be opened before anything else.\nAction: open the wooden chest"
     last = "Thought: Done.\nAction: craft the planks"
-    rows = []
-    for k in range(2):
-        acts = [first] + [f"Thought: Gather more.\nAction: get {t} oak log" for t in range(1, 5)] + [last]
-        for t, a in enumerate(acts):
-            rows.append(dict(traj_id=f"e{k}", env="textcraft", task_id=str(k), split="train", source="expert",
-                             iteration=0, step=t, instruction=f"craft {k + 1} oak planks",
-                             observation=f"Room {t}: " + "logs and planks lie around. " * 12, action=a, command=None,
-                             next_observation="ok", reward_env=float(t == 5), done=t == 5))
-    df = pl.DataFrame(rows)
+    acts = [first] + [f"Thought: Gather more.\nAction: get {t} oak log" for t in range(1, 5)] + [last]
+    df = pl.DataFrame([r for k in range(2) for r in long_trajectory(f"e{k}", k, acts)])
     data = tmp_path / "long.parquet"
     write_table(df, data)
     from transformers import AutoTokenizer
@@ -496,17 +500,9 @@ def test_dpo_on_trajectories_longer_than_max_length_scores_their_first_actions(t
 
     good = "Thought: The wooden chest must be opened before anything else.\nAction: open the wooden chest"
     bad = "Thought: The wooden chest can wait until later on.\nAction: look around the room"
-    rows = []
-    for k in range(2):
-        for tid, source, first, reward in ((f"e{k}", "expert", good, 1.0), (f"f{k}", "self", bad, 0.0)):
-            acts = [first] + [f"Thought: Gather more.\nAction: get {t} oak log" for t in range(1, 6)]
-            for t, a in enumerate(acts):
-                rows.append(dict(traj_id=tid, env="textcraft", task_id=str(k), split="train", source=source,
-                                 iteration=0 if source == "expert" else 1, step=t,
-                                 instruction=f"craft {k + 1} oak planks",
-                                 observation=f"Room {t}: " + "logs and planks lie around. " * 12, action=a,
-                                 command=None, next_observation="ok", reward_env=reward * (t == 5), done=t == 5))
-    df = pl.DataFrame(rows)
+    rest = [f"Thought: Gather more.\nAction: get {t} oak log" for t in range(1, 6)]
+    df = pl.DataFrame([r for k in range(2) for r in long_trajectory(f"e{k}", k, [good, *rest])
+                       + long_trajectory(f"f{k}", k, [bad, *rest], source="self", reward=0.0)])
     data = tmp_path / "long.parquet"
     write_table(df, data)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

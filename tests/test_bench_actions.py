@@ -1,0 +1,72 @@
+"""benchmarks/bench_actions.py: per-step measures of episodes played in the real lamps environment, by hand."""
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from qevolve_cli.envs.registry import make_env
+from qevolve_cli.envs.splits import task_from_id
+from qevolve_cli.react import FORMAT_ERROR_OBSERVATION
+from qevolve_cli.schema import write_table
+from tests.conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("bench_actions")
+
+
+def play(traj_id: str, task_id: str, commands: list[str | None], source: str = "self") -> list[dict]:
+    """Rows of an episode of ``commands`` (None: a format error) in the real lamps environment."""
+    env = make_env("lamps")
+    obs = env.reset(task_from_id("lamps", task_id))
+    rows = []
+    for t, c in enumerate(commands):
+        if c is None:
+            nxt, r, done, _ = env.skip_turn(FORMAT_ERROR_OBSERVATION)
+        else:
+            nxt, r, done, _ = env.step(c)
+        rows.append(dict(traj_id=traj_id, env="lamps", task_id=task_id, split="test_seen", source=source,
+                         iteration=1, step=t, instruction="turn on the lamp", observation=obs,
+                         action=f"Action: {c}" if c else "nonsense", command=c, next_observation=nxt,
+                         reward_env=float(r), done=bool(done)))
+        obs = nxt
+        if done:
+            break
+    return rows
+
+
+def test_action_stats_by_hand(bench):
+    # kitchen -> bedroom (1 step east) -> bathroom: the plan is go east, go east, turn on lamp
+    task = "lamps:kitchen:bathroom"
+    ok = play("ok", task, ["go east", "go east", "turn on lamp"])
+    # walks through the bathroom (one step there with its lamp off), turns on the hallway's lamp (a wrong
+    # room), comes back to the bathroom (a second step there), then a format error and an unknown command
+    bad = play("bad", task, ["go east", "go east", "go east", "turn on lamp", "go west", None, "Done."])
+    assert ok[-1]["reward_env"] == 1.0 and ok[-1]["done"] and not bad[-1]["done"]
+    s = bench.action_stats(pl.DataFrame(ok + bad))
+    assert (s["episodes"], s["success"], s["steps"]) == (2, 0.5, 10)
+    # optimal: ok's 3; bad's first two steps and its walk back west (the third go east and the wrong turn-on
+    # are not, the format error and "Done." leave the goal as far)
+    assert s["optimal"] == round(6 / 10, 4)
+    # in the bathroom with its lamp off: ok's turn-on, bad's go east, bad's format error and its "Done."
+    assert (s["turn_on_states"], s["turn_on_taken"]) == (4, 0.25)
+    f = s["failed"]
+    assert (f["episodes"], f["steps"], f["turn_on"], f["turn_on_optimal"]) == (1, 7, round(1 / 7, 4), 0.0)
+    assert f["top_commands"] == {"go east": 3, "turn on lamp": 1, "go west": 1, "<format error>": 1, "Done.": 1}
+
+
+def test_cli_reads_a_run_directory(bench, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "iter_0").mkdir(parents=True)
+    (run / "compare" / "eval").mkdir(parents=True)
+    rows = play("ok", "lamps:kitchen:bathroom", ["go east", "go east", "turn on lamp"])
+    write_table(pl.DataFrame(rows), run / "iter_0" / "eval_test_seen.parquet")
+    write_table(pl.DataFrame(rows), run / "compare" / "eval" / "best_of_n_test_unseen.parquet")
+    out = bench.main([str(run)])
+    assert set(out[str(run)]) == {"sft/test_seen", "best_of_n/test_unseen"}
+    assert json.loads(capsys.readouterr().out) == out
+    with pytest.raises(SystemExit):
+        bench.main([str(tmp_path / "empty")])

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_credit import run_step_limit  # noqa: E402
 from qevolve_cli import schema  # noqa: E402
 from qevolve_cli.envs.oracle import replay  # noqa: E402
 
@@ -105,13 +105,6 @@ def run_tables(run: Path) -> dict[str, Path]:
     if (run / "iter_1" / "rollout.parquet").is_file():
         out["rollout_iter1"] = run / "iter_1" / "rollout.parquet"
     return out
-
-
-def run_step_limit(run: Path) -> int | None:
-    """The step limit the run's rollouts and evaluations played with (``stages/rollout_1.yaml``'s
-    ``max_steps``; None: the environment's own)."""
-    p = run / "stages" / "rollout_1.yaml"
-    return (yaml.safe_load(p.read_text()) or {}).get("max_steps") if p.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

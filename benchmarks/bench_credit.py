@@ -87,11 +87,16 @@ def credit(df: pl.DataFrame, a: pl.Series, a_exact: pl.Series, opt: pl.Series, r
     return out
 
 
+def run_step_limit(run: Path) -> int | None:
+    """The step limit a run's rollouts and evaluations played with (``stages/rollout_1.yaml``'s ``max_steps``;
+    None: the environment's own): self-play episodes are replayed with it."""
+    p = run / "stages" / "rollout_1.yaml"
+    return (yaml.safe_load(p.read_text()) or {}).get("max_steps") if p.is_file() else None
+
+
 def run_credit(run: Path, lambdas: list[float], gamma: float, lam: float, expectile: float) -> dict:
     df = schema.sort_steps(pl.read_parquet(run / "iter_1" / "advantages.parquet"))
-    rollout_cfg = run / "stages" / "rollout_1.yaml"  # self-play episodes are replayed with the rollout's step limit
-    max_steps = (yaml.safe_load(rollout_cfg.read_text()) or {}).get("max_steps") if rollout_cfg.is_file() else None
-    recs = replay(df, source=run / "iter_1" / "advantages.parquet", max_steps=max_steps)
+    recs = replay(df, source=run / "iter_1" / "advantages.parquet", max_steps=run_step_limit(run))
     done = df["done"].to_list()
     v_x = [oracle_value(r["d"], r["left"], gamma) for r in recs]
     nv_x = [0.0 if dn else oracle_value(r["next_d"], r["next_left"], gamma) for r, dn in zip(recs, done, strict=True)]

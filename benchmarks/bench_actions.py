@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_credit import run_step_limit  # noqa: E402
 from qevolve_cli import schema  # noqa: E402
 from qevolve_cli.envs.oracle import replay  # noqa: E402
+from qevolve_cli.errors import QevolveError  # noqa: E402
 
 TURN_ON = "turn on lamp"
 
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if not tables:
                 ap.error(f"{run}: no evaluation or rollout table (iter_*/eval_*.parquet, compare/eval/*.parquet)")
             limit = args.max_steps or run_step_limit(run)
-            result[str(run)] = {name: action_stats(schema.read_table(p), limit, p) for name, p in tables.items()}
+            try:
+                result[str(run)] = {name: action_stats(schema.read_table(p), limit, p) for name, p in tables.items()}
+            except QevolveError as e:  # a table of an environment without a solver, or not readable
+                ap.error(str(e))
             print(f"[bench_actions] {run}: {len(tables)} tables", file=sys.stderr)
     print(json.dumps(result, indent=1))
     return result

@@ -70,3 +70,14 @@ def test_cli_reads_a_run_directory(bench, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == out
     with pytest.raises(SystemExit):
         bench.main([str(tmp_path / "empty")])
+    # an environment without an exact solver: one line naming the table and the column, exit 2
+    other = tmp_path / "tc"
+    (other / "iter_0").mkdir(parents=True)
+    write_table(pl.DataFrame(rows).with_columns(pl.lit("textcraft").alias("env"), pl.lit("0").alias("task_id")),
+                other / "iter_0" / "eval_test_seen.parquet")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        bench.main([str(other)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "no exact solver for environment 'textcraft'" in err[-1]
+    assert "eval_test_seen.parquet" in err[-1] and "Traceback" not in "\n".join(err)

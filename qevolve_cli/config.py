@@ -153,17 +153,37 @@ class ConfigBase:
     #: default, so those runs still resume (a non-default value is a new configuration)
     HASH_OMIT_AT_DEFAULT: ClassVar[tuple[str, ...]] = ()
 
+    #: fields that say how a stage runs, not what it makes (how often it checkpoints): hashed at their
+    #: default value, so changing one on resume keeps the finished stages and the checkpoints of an
+    #: interrupted one (docs/evolve.md, "Resuming")
+    OPERATIONAL: ClassVar[tuple[str, ...]] = ()
+
+    def _defaults(self) -> dict[str, Any]:
+        return {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+                for f in dataclasses.fields(self)}
+
     def hash(self) -> str:
+        """The configuration's identity (16 hex digits): what a finished stage records and a resume compares."""
+        return self._hash(operational=False)
+
+    def legacy_hash(self) -> str | None:
+        """The hash this configuration had before :data:`OPERATIONAL` fields left it (they counted at their
+        value), when that differs from :meth:`hash`: a stage finished then is still this configuration's."""
+        old = self._hash(operational=True)
+        return old if old != self.hash() else None
+
+    def _hash(self, operational: bool) -> str:
         d = self.to_dict()
         if self.SELECT_FIELDS and not getattr(self, self.SELECT_FIELDS[0]):
             for k in self.SELECT_FIELDS:
                 d.pop(k, None)
-        if self.HASH_OMIT_AT_DEFAULT:
-            defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-                        for f in dataclasses.fields(self)}
+        if self.HASH_OMIT_AT_DEFAULT or self.OPERATIONAL:
+            defaults = self._defaults()
             for k in self.HASH_OMIT_AT_DEFAULT:
                 if d.get(k) == defaults[k]:
                     d.pop(k, None)
+            if not operational:
+                d.update({k: defaults[k] for k in self.OPERATIONAL})
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @classmethod

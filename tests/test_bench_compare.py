@@ -58,6 +58,10 @@ def test_finished_table_needs_every_row_of_the_comparison(bc, tmp_path):
     (run / "compare" / "table.json").write_text(json.dumps({"rows": rows}))
     assert bc.finished_table(run, cfg, ccfg) == {"rows": rows}
     assert bc.finished_table(run, bc.evolve_config("lamps-habit", "cpu", 1, 2, True, 0), ccfg) is None  # seed
+    # a run made with other checkpoint frequencies did the same work: its table is this configuration's
+    ckpt = cfg.replace(bc={**cfg.bc, "checkpoint_every_steps": 7}, critic={**cfg.critic, "checkpoint": False})
+    assert ckpt.hash() != cfg.hash() and bc.finished_table(run, ckpt, ccfg) == {"rows": rows}
+    assert bc.finished_table(run, cfg.replace(bc={**cfg.bc, "checkpoint_every_steps": 7, "epochs": 1}), ccfg) is None
 
 
 def test_summary_pairs_every_arm_with_rft_2_where_every_seed_has_it(bc):

@@ -391,10 +391,15 @@ def test_time_input_feeds_the_step_index_to_the_heads(tiny_model_dir, tmp_path):
     d = dataclasses.asdict(plain)
     for k in ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context"):
         d.pop(k)  # every field added since
+    d["checkpoint"] = True  # SMALL's False: how a stage runs, hashed at its default (below)
     assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() != plain.hash() and CriticConfig(**SMALL, time_scale=8.0).hash() != plain.hash()
     assert CriticConfig(**SMALL, shared_prefix=False).hash() != plain.hash()
     assert CriticConfig(**SMALL, window_context=1.0).hash() != plain.hash()
+    # how often it checkpoints (or whether) is not the work: hashed as the defaults; the old hash kept apart
+    ops = [CriticConfig(**{**SMALL, **o}) for o in ({"checkpoint": True}, {"checkpoint": True, "checkpoint_every_steps": 7})]
+    assert all(c.hash() == plain.hash() for c in ops) and CriticConfig(**{**SMALL, "checkpoint": True}).legacy_hash() is None
+    assert len({plain.legacy_hash(), ops[1].legacy_hash(), plain.hash()}) == 3  # older versions told them apart
 
 
 def test_activation_checkpointing_on_cpu_changes_nothing_and_does_not_warn(tiny_model_dir, tmp_path):

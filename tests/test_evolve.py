@@ -204,6 +204,50 @@ def test_reconfigure_keeps_unchanged_stages(smoke_run, tmp_path):
     assert r.returncode == 2 and "--resume" in r.stderr
 
 
+def test_operational_settings_change_on_resume(smoke_run, tmp_path):
+    """Checkpoint frequencies say how a stage runs, not what it makes: changed on --resume (no --reconfigure),
+    every finished stage is kept, the change is named and the earlier config.yaml kept; a stage recorded under
+    the hash an older version computed (checkpoint_every_steps counted at its value) is still finished."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run, symlinks=True)
+    base = ["evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--run-dir", run, "--resume"]
+    old_cfg, before = (run / "config.yaml").read_bytes(), manifest(run)
+    over = tmp_path / "ckpt.yaml"
+    over.write_text("bc: {checkpoint_every_steps: 3}\ncritic: {checkpoint_every_steps: 5}\n"
+                    "iterations:\n  - policy: {checkpoint_every_steps: 4}\n")
+    r = run_qevolve(*base, "--config", over, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("only how the stages run changed (bc.checkpoint_every_steps 0 -> 3; iter_1/critic.checkpoint_every_steps "
+            "0 -> 5; iter_1/policy.checkpoint_every_steps 0 -> 4)") in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("[skip]") == len(STAGES_1) and "[run]" not in r.stderr
+    assert manifest(run) == before
+    assert (run / "config.prev-1.yaml").read_bytes() == old_cfg
+    assert yaml.safe_load((run / "config.yaml").read_text())["critic"]["checkpoint_every_steps"] == 5
+    assert yaml.safe_load((run / "stages/critic_1.yaml").read_text())["checkpoint_every_steps"] == 5
+    # the same flags again: nothing changed, nothing said
+    r = run_qevolve(*base, "--config", over, timeout=300)
+    assert r.returncode == 0 and "[resume]" not in r.stderr and "[run]" not in r.stderr, r.stderr[-2000:]
+    # anything else changed with it is still the work: refused as before
+    over.write_text("critic: {checkpoint_every_steps: 5, epochs: 3}\n")
+    r = run_qevolve(*base, "--config", over)
+    assert r.returncode == 2 and "another configuration" in r.stderr
+
+    # a critic stage finished by an older version with checkpoint_every_steps 5 recorded that value's hash
+    cfg5 = resolve("textcraft", "smoke", overrides={"iters": 1, "critic": {"checkpoint_every_steps": 5}})
+    c5 = cfg5.stage("critic", 1)
+    assert c5.legacy_hash() not in (None, c5.hash()) and c5.hash() == before["iter_1/critic"]["config_hash"]
+    m = json.loads((run / "manifest.json").read_text())
+    m["stages"]["iter_1/critic"]["config_hash"] = c5.legacy_hash()
+    (run / "manifest.json").write_text(json.dumps(m))
+    over.write_text("critic: {checkpoint_every_steps: 5}\n")
+    r = run_qevolve(*base, "--config", over, timeout=300)
+    assert r.returncode == 0 and "[skip] iter_1/critic (done)" in r.stderr and "[run]" not in r.stderr, r.stderr[-2000:]
+
+
 def test_resume_after_kill_mid_stage(tmp_path, deepspeed_cpu):
     """A second process on the run directory is refused while the first runs (run-directory lock);
     kill the first with SIGKILL while a stage runs: the kernel frees the lock, and --resume redoes
@@ -332,6 +376,20 @@ def test_sciworld_smoke_two_iterations(tmp_path):
     assert "step_limit: 3" in (run / "stages/label_2.yaml").read_text()
     assert "step_limit: null" in (run / "stages/label_1.yaml").read_text()
     assert json.loads((run / "iter_1/critic/critic.json").read_text()).get("time_input", "none") == "none"
+
+
+def test_operational_changes_name_each_changed_field():
+    """EvolveConfig.operational_changes: per stage and iteration what changed of how the run goes (checkpoints,
+    log sinks); None as soon as anything else changes."""
+    a = resolve("lamps", "cpu", overrides={"iters": 2})
+    b = resolve("lamps", "cpu", overrides={"iters": 2, "log_to": ["tensorboard"],
+                                           "iterations": [{}, {"critic": {"checkpoint_every_steps": 9}}]})
+    assert a.operational_changes(b) == ["log_to [] -> ['tensorboard']", "iter_2/critic.checkpoint_every_steps 0 -> 9"]
+    assert a.operational_changes(a) == []
+    assert a.operational_changes(resolve("lamps", "cpu", overrides={"iters": 2, "seed": 1})) is None
+    c = resolve("lamps", "cpu", overrides={"iters": 2, "iterations": [{}, {"critic": {"checkpoint_every_steps": 9,
+                                                                                       "epochs": 3}}]})
+    assert a.operational_changes(c) is None
 
 
 def test_iteration_overrides_merge_entry_by_entry():

@@ -564,3 +564,23 @@ def test_fields_added_later_leave_the_hash_at_their_defaults():
         d.pop(k)
     assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert PolicyConfig(window_context=1.0).hash() != plain.hash()
+
+
+def test_checkpoint_frequency_is_not_part_of_the_configuration():
+    """checkpoint_every_steps says how a stage runs: every value hashes as the default does; legacy_hash is the
+    hash older versions recorded (the field at its value: by hand, as test above), None where they agree."""
+    import dataclasses
+    import hashlib
+
+    from qevolve_cli.policy import PolicyConfig
+
+    def old_rule(cfg):
+        d = dataclasses.asdict(cfg)
+        for k in ("logits", "shared_prefix", "window_context"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    plain, every = PolicyConfig(), PolicyConfig(checkpoint_every_steps=10)
+    assert every.hash() == plain.hash() == old_rule(plain) and plain.legacy_hash() is None
+    assert every.legacy_hash() == old_rule(every) != plain.hash()
+    assert PolicyConfig(checkpoint_every_steps=10, lr=2e-5).hash() != plain.hash()  # the rest is still the work

@@ -68,7 +68,9 @@ def register(app: typer.Typer) -> None:
         expert: Annotated[str | None, typer.Option("--expert", help="Existing expert table (skip collection).")] = None,
         preset: Annotated[str, typer.Option("--preset", help="paper (default), smoke, cpu or cpu-smol.")] = "paper",
         run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<env>-<preset>).")] = None,
-        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run (a finished run is a no-op).")] = False,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run (a finished run is a no-op). "
+                                             "Checkpoint frequencies and --log-to may change on resume; every "
+                                             "finished stage is kept (docs/evolve.md).")] = False,
         reconfigure: Annotated[bool, typer.Option(
             "--reconfigure", help="With --resume: accept a configuration other than the run's (more --iters, "
             "another --config for stages not yet run). Every finished stage the new configuration changes is "

@@ -23,6 +23,7 @@ class CriticConfig(ConfigBase):
     # added 2026-11-27 (time_*), 2026-11-28 (share_value_forward, shared_prefix), 2026-11-29 (window_context):
     # older runs resume
     HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context")
+    OPERATIONAL = ("checkpoint", "checkpoint_every_steps")
 
     # optimisation
     epochs: int = field(20, help="Passes over the trajectories (paper: 20 in iteration 1, 2 in iteration 2).", ge=1)

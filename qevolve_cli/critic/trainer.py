@@ -367,7 +367,7 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     main = ds is None or ds.is_main
 
     # how often checkpoints are written does not change the run: a resume may change it
-    fingerprint = {"config": cfg.replace(checkpoint_every_steps=0).hash(), "model": str(Path(model).resolve()), "n_items": len(items),
+    fingerprint = {"config": cfg.hash(), "model": str(Path(model).resolve()), "n_items": len(items),
                    "n_steps": int(sum(it.n_steps for it in items)),
                    "traj": sorted(it.traj_id for it in items)[:50]}
     partial = partial_dir(out)

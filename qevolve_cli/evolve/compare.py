@@ -282,7 +282,7 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
             return _scalars(train_policy(r_cfg, data_in, base, cdir / prefix / "policy", quiet=quiet))
 
         crun.run_stage(stage, train_one, inputs=data_in + [str(base)], outputs=[f"{prefix}/policy"],
-                       config_hash=r_cfg.hash(), iteration=iteration, echo=echo)
+                       config_hash=r_cfg.hash(), legacy_hash=r_cfg.legacy_hash(), iteration=iteration, echo=echo)
         return cdir / prefix / "policy"
 
     if "rft" in ccfg.arms:
@@ -332,7 +332,7 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
             return _scalars(train_policy(d_cfg, data, bc, cdir / "eto" / "policy", ref=bc, quiet=quiet))
 
         crun.run_stage("eto", train_eto, inputs=data + [str(bc)], outputs=["eto/policy"],
-                       config_hash=d_cfg.hash(), iteration=1, echo=echo)
+                       config_hash=d_cfg.hash(), legacy_hash=d_cfg.legacy_hash(), iteration=1, echo=echo)
         policies["eto"] = cdir / "eto" / "policy"
     if "qevolve_oracle_v" in ccfg.arms:
         # iteration 1 with V* instead of the learned critic: the same labels (the run's label_1 config,
@@ -376,7 +376,8 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
             policies["qevolve_oracle_v"] = cdir / selections["qevolve_oracle_v"]["policy"]
         else:
             crun.run_stage("oracle_v", train_oracle_v, inputs=["oracle_v/advantages.parquet", str(o_start)],
-                           outputs=["oracle_v/policy"], config_hash=o_cfg.hash(), iteration=1, echo=echo)
+                           outputs=["oracle_v/policy"], config_hash=o_cfg.hash(), legacy_hash=o_cfg.legacy_hash(), iteration=1,
+                           echo=echo)
             policies["qevolve_oracle_v"] = cdir / "oracle_v" / "policy"
 
     if ccfg.select_on_validation:

@@ -133,6 +133,37 @@ class EvolveConfig(ConfigBase):
                     err.stage = (section, k, e)  # resolve_with_origin names the layer that set the field
                     raise err from None
 
+    #: top-level fields that say how the run reports, not what it makes
+    OPERATIONAL = ("log_to",)
+
+    def operational_changes(self, other: EvolveConfig) -> list[str] | None:
+        """What ``other`` changes of this configuration when it differs only in operational fields (the
+        stages' ``OPERATIONAL`` ones, such as checkpoint_every_steps, and :data:`OPERATIONAL`): one
+        ``"bc.checkpoint_every_steps 0 -> 10"`` per changed field and stage; None when it changes anything else
+        (the work itself: its finished stages would not be this configuration's)."""
+        if self._work().hash() != other._work().hash():
+            return None
+        out = [f"{k} {getattr(self, k)} -> {getattr(other, k)}" for k in self.OPERATIONAL
+               if getattr(self, k) != getattr(other, k)]
+        for name in _OPERATIONAL_SECTIONS:
+            for k in (0,) if name == "bc" else range(1, self.iters + 1):
+                a, b = self.stage(name, k), other.stage(name, k)
+                where = "bc" if name == "bc" else f"iter_{k}/{name}"
+                out += [f"{where}.{f} {getattr(a, f)} -> {getattr(b, f)}" for f in type(a).OPERATIONAL
+                        if getattr(a, f) != getattr(b, f)]
+        return out
+
+    def _work(self) -> EvolveConfig:
+        """This configuration with every operational field taken out (a stage's falls back to its default)."""
+        d = copy.deepcopy(self.to_dict())
+        for k in self.OPERATIONAL:
+            d.pop(k, None)
+        for name, fields in _OPERATIONAL_SECTIONS.items():
+            for part in [d[name]] + [it.get(name, {}) for it in d["iterations"]]:
+                for f in fields():
+                    part.pop(f, None)
+        return EvolveConfig.from_dict(d, source="operational check")
+
     # ---------------------------------------------------------------- stage configs
     def section(self, name: str, iteration: int) -> dict[str, Any]:
         """The overrides of stage ``name`` at ``iteration`` (the rule of :func:`qevolve_cli.config.scale_parts`,
@@ -224,6 +255,22 @@ class EvolveConfig(ConfigBase):
                 d["step_limit"] = self.section("rollout", iteration).get("max_steps") or MAX_STEPS[self.env]
             return LabelConfig.from_dict(d, source="evolve config: label")
         raise KeyError(name)
+
+
+def _policy_operational() -> tuple[str, ...]:
+    from qevolve_cli.policy.config import PolicyConfig
+
+    return PolicyConfig.OPERATIONAL
+
+
+def _critic_operational() -> tuple[str, ...]:
+    from qevolve_cli.critic.config import CriticConfig
+
+    return CriticConfig.OPERATIONAL
+
+
+_OPERATIONAL_SECTIONS = {"bc": _policy_operational, "critic": _critic_operational, "policy": _policy_operational}
+"""The stage sections with operational fields (their config class's ``OPERATIONAL``, read lazily)."""
 
 
 def deep_merge(a: dict[str, Any], b: dict[str, Any], origin: dict[tuple, str] | None = None,

@@ -190,7 +190,13 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
         if not resume:
             raise QevolveError(f"{run.path}: a run already exists here; pass --resume to continue it or choose a new --run-dir")
         saved = EvolveConfig.from_dict(yaml.safe_load(cfg_path.read_text()), source=cfg_path)
-        if saved.hash() != cfg.hash():
+        changes = saved.operational_changes(cfg) if saved.hash() != cfg.hash() else None
+        if changes is not None:  # how the stages run (checkpoints, log sinks), not what they make: nothing to redo
+            prev = _archive_config(cfg_path)
+            dump_yaml(cfg, cfg_path)
+            echo(f"[resume] {cfg_path}: only how the stages run changed ({'; '.join(changes)}); every finished "
+                 f"stage and checkpoint is kept (the earlier configuration kept as {prev.name})")
+        elif saved.hash() != cfg.hash():
             if not reconfigure:
                 raise QevolveError(
                     f"{cfg_path}: the run was started with another configuration (hash {saved.hash()} != {cfg.hash()}); "
@@ -285,7 +291,8 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
                               [plan.expert(), plan.base_model()], echo)
         else:
             run.run_stage("bc", bc, inputs=[plan.expert(), plan.base_model()], outputs=["bc/policy"],
-                          config_hash=bc_cfg.hash(), iteration=0, echo=echo)
+                          config_hash=bc_cfg.hash(), legacy_hash=bc_cfg.legacy_hash(), iteration=0,
+                          echo=echo)
 
     scores: dict[int, dict[str, Any]] = {}
     if cfg.eval_bc:
@@ -330,7 +337,7 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
             return _scalars(train_critic(c_cfg, run.path / it / "labeled.parquet", backbone, run.path / it / "critic"))
 
         run.run_stage(f"{it}/critic", critic, inputs=[f"{it}/labeled.parquet"], outputs=[f"{it}/critic"],
-                      config_hash=c_cfg.hash(), iteration=k, echo=echo)
+                      config_hash=c_cfg.hash(), legacy_hash=c_cfg.legacy_hash(), iteration=k, echo=echo)
         _echo_critic_diagnostics(run.path / it / "critic", k, echo)
 
         def advantage(l_cfg=l_cfg, it=it):
@@ -362,7 +369,8 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
                               echo)
         else:
             run.run_stage(f"{it}/policy", policy, inputs=p_inputs, outputs=[f"{it}/policy"],
-                          config_hash=p_cfg.hash(), iteration=k, echo=echo)
+                          config_hash=p_cfg.hash(), legacy_hash=p_cfg.legacy_hash(), iteration=k,
+                          echo=echo)
         scores[k] = _evaluate(cfg, run, k, P(plan.policy(k)), echo, quiet)
 
     if run.check_only:

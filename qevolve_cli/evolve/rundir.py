@@ -118,11 +118,16 @@ class RunDir:
             sink(record)
 
     def run_stage(self, name: str, fn: Callable[[], dict[str, Any] | None], *, inputs: list[str], outputs: list[str],
-                  config_hash: str, iteration: int, echo: Callable[[str], None]) -> dict[str, Any]:
-        """Run ``fn`` as stage ``name`` unless already done; record status, timings and metrics."""
+                  config_hash: str, iteration: int, echo: Callable[[str], None],
+                  legacy_hash: str | None = None) -> dict[str, Any]:
+        """Run ``fn`` as stage ``name`` unless already done; record status, timings and metrics.
+
+        ``legacy_hash``: the configuration's hash as an older version computed it (``ConfigBase.legacy_hash``);
+        a stage recorded under it is the same configuration's."""
+        same = {config_hash} | ({legacy_hash} if legacy_hash else set())
         if self.is_done(name):
             st = self.stages[name]
-            if st.get("config_hash") != config_hash:
+            if st.get("config_hash") not in same:
                 raise StageConfigChanged(
                     f"{self.manifest_path}: stage {name!r} was done with another configuration "
                     f"(hash {st.get('config_hash')} != {config_hash}); use a new --run-dir", name
@@ -135,7 +140,7 @@ class RunDir:
         if self.check_only:
             self.pending.append(name)
             prev = self.stages.get(name)
-            if prev and prev.get("config_hash") != config_hash:  # interrupted under the old configuration
+            if prev and prev.get("config_hash") not in same:  # interrupted under the old configuration
                 from qevolve_cli.atomic import partial_dir
 
                 self.stale += [p for p in (partial_dir(self.path / o) for o in outputs) if p.exists()]

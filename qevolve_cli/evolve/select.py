@@ -117,7 +117,7 @@ def select(run, prefix: str, base_cfg, grid: Sequence[dict[str, Any]], train: Ca
             return _scalars(train(cfg, run.path / cdir / "policy"))
 
         run.run_stage(cdir, tr, inputs=inputs, outputs=[f"{cdir}/policy"], config_hash=cfg.hash(),
-                      iteration=iteration, echo=echo)
+                      legacy_hash=cfg.legacy_hash(), iteration=iteration, echo=echo)
 
         def ev(cdir=cdir):
             m = run_eval(v_cfg, run.path / cdir / "policy", run.path / cdir / "val.parquet", resume=True, tasks=tasks)

@@ -20,6 +20,7 @@ OBJECTIVES = ("bc", "bppo", "awr", "rft", "dpo")
 @dataclass
 class PolicyConfig(ConfigBase):
     HASH_OMIT_AT_DEFAULT = ("logits", "shared_prefix", "window_context")  # added 2026-11-28/29: older runs resume
+    OPERATIONAL = ("checkpoint_every_steps",)
     objective: str = field("bc", help="Training objective: bc (NLL on expert actions), bppo, awr, rft (NLL on "
                                       "expert + successful self trajectories), dpo (ETO trajectory preferences).",
                            choices=OBJECTIVES)

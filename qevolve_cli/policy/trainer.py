@@ -130,7 +130,7 @@ def train_args(cfg: PolicyConfig, data, model_path: Path, ref, out: Path, quiet:
         deepspeed=Path(cfg.deepspeed) if cfg.deepspeed else None, quiet=quiet, desc=f"policy {cfg.objective}",
         max_steps=cfg.max_steps, checkpoint_every_steps=cfg.checkpoint_every_steps,
         # how often checkpoints are written does not change the run: a resume may change it
-        fingerprint=_fingerprint(cfg.replace(checkpoint_every_steps=0).hash(), data, model_path, ref),
+        fingerprint=_fingerprint(cfg.hash(), data, model_path, ref),
     )
 
 

@@ -90,9 +90,13 @@ def kept_table(path: Path, cfg, ccfg) -> dict | None:
         return None
     kept = json.loads(path.read_text())
     # the arms come from the run's base model, which may be gone: compare everything else; a row asked for
-    # (--add-arms) that the kept table lacks makes the seed run again (its finished stages are kept)
-    if kept.get("evolve_hash") != cfg.hash() or kept.get("compare_hash") != ccfg.replace(arms=kept["arms"]).hash():
+    # (--add-arms) that the kept table lacks makes the seed run again (its finished stages are kept). The
+    # evolve configuration may differ in how it ran (checkpoint frequencies: the same work hash)
+    same_work = kept.get("evolve_hash") == cfg.hash() or kept.get("evolve_work_hash") == cfg.work_hash()
+    if not same_work or kept.get("compare_hash") != ccfg.replace(arms=kept["arms"]).hash():
         return None
+    if "evolve_work_hash" not in kept:  # kept before 2026-11-30: the work hash added, nothing else changed
+        _write_kept(path, {**kept, "evolve_work_hash": cfg.work_hash()})
     from qevolve_cli.evolve.compare import DEFAULT_ARMS
 
     if {a for a in ccfg.arms if a not in DEFAULT_ARMS} - set(kept["arms"]):
@@ -102,8 +106,8 @@ def kept_table(path: Path, cfg, ccfg) -> dict | None:
 
 def keep_table(path: Path, cfg, ccfg, table: dict, times: dict | None) -> None:
     """Write a finished seed's table for kept_table, atomically."""
-    _write_kept(path, {"evolve_hash": cfg.hash(), "compare_hash": ccfg.hash(), "arms": list(ccfg.arms),
-                       "times": times, "table": table})
+    _write_kept(path, {"evolve_hash": cfg.hash(), "evolve_work_hash": cfg.work_hash(), "compare_hash": ccfg.hash(),
+                       "arms": list(ccfg.arms), "times": times, "table": table})
 
 
 def add_kept_times(path: Path, times: dict) -> dict:

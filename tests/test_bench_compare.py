@@ -36,6 +36,16 @@ def test_kept_table_is_read_back_for_the_same_configuration_only(bc, tmp_path):
     bc.keep_table(kept, cfg, with_rft2.replace(arms=[*finished_with.arms[:2], "rft_2", *finished_with.arms[2:]]),
                   table, {"evolve_s": 1.0})
     assert bc.kept_table(kept, cfg, with_rft2) == table and bc.kept_table(kept, cfg, ccfg) == table
+    # made with other checkpoint frequencies: the same work, read back; anything else with them is not
+    ckpt = cfg.replace(critic={**cfg.critic, "checkpoint_every_steps": 9})
+    assert ckpt.hash() != cfg.hash() and bc.kept_table(kept, ckpt, ccfg) == table
+    assert bc.kept_table(kept, ckpt.replace(critic={**ckpt.critic, "epochs": 2}), ccfg) is None
+    # a table kept before the work hash was stored: read by its exact hash, and the work hash added to it
+    old = {k: v for k, v in json.loads(kept.read_text()).items() if k != "evolve_work_hash"}
+    kept.write_text(json.dumps(old))
+    assert bc.kept_table(kept, ckpt, ccfg) is None and bc.kept_table(kept, cfg, ccfg) == table
+    assert json.loads(kept.read_text()) == {**old, "evolve_work_hash": cfg.work_hash()}
+    assert bc.kept_table(kept, ckpt, ccfg) == table
 
 
 def test_finished_table_needs_every_row_of_the_comparison(bc, tmp_path):

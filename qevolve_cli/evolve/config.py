@@ -141,7 +141,7 @@ class EvolveConfig(ConfigBase):
         stages' ``OPERATIONAL`` ones, such as checkpoint_every_steps, and :data:`OPERATIONAL`): one
         ``"bc.checkpoint_every_steps 0 -> 10"`` per changed field and stage; None when it changes anything else
         (the work itself: its finished stages would not be this configuration's)."""
-        if self._work().hash() != other._work().hash():
+        if self.work_hash() != other.work_hash():
             return None
         out = [f"{k} {getattr(self, k)} -> {getattr(other, k)}" for k in self.OPERATIONAL
                if getattr(self, k) != getattr(other, k)]
@@ -152,6 +152,11 @@ class EvolveConfig(ConfigBase):
                 out += [f"{where}.{f} {getattr(a, f)} -> {getattr(b, f)}" for f in type(a).OPERATIONAL
                         if getattr(a, f) != getattr(b, f)]
         return out
+
+    def work_hash(self) -> str:
+        """:meth:`hash` of the configuration's work: equal for two configurations whose
+        :meth:`operational_changes` is not None (they make the same stages)."""
+        return self._work().hash()
 
     def _work(self) -> EvolveConfig:
         """This configuration with every operational field taken out (a stage's falls back to its default)."""

@@ -144,10 +144,11 @@ demo: install
 	$(QEVOLVE) evolve --env textcraft --preset cpu --iters 1 --run-dir runs/demo   # ends with the report
 	@echo "the same from your shell: qevolve report runs/demo  (qevolve: $(BINDIR)/qevolve)" >&2
 
-# the same loop with the pretrained SmolLM2-135M-Instruct (LoRA) on lamps: hours on 2 cores (README)
+# the same loop with the pretrained SmolLM2-135M-Instruct (LoRA) on lamps: hours on 2 cores (README);
+# resumable: run it again after Ctrl-C and it continues (a finished run is a no-op that prints the report;
+# `rm -rf runs/demo-smol` to start over)
 demo-smol: install
-	rm -rf runs/demo-smol
-	$(QEVOLVE) evolve --env lamps --preset cpu-smol --iters 1 --run-dir runs/demo-smol
+	$(QEVOLVE) evolve --env lamps --preset cpu-smol --iters 1 --run-dir runs/demo-smol --resume
 	@echo "the same from your shell: qevolve report runs/demo-smol" >&2
 
 bench: setup

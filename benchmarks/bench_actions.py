@@ -14,7 +14,13 @@ table (JSON):
   ``turn_on_taken``: the share of those where the policy did turn it on;
 * ``failed``: over the failed episodes, ``steps``, ``turn_on`` (share of their steps that turn a lamp on),
   ``turn_on_optimal`` (share of those turn-ons that were optimal) and ``top_commands`` (the five most
-  frequent commands, a format error counted as ``<format error>``).
+  frequent commands, a format error counted as ``<format error>``);
+* ``look_after_states``: steps right after a command that lit one of the task's lamps, with lamps still to
+  go, and ``look_after``: the share of those where the policy wrote ``look`` (lamps-habit's hesitant expert
+  does at 85 % of them; the look costs a step and tells nothing);
+* ``lost``: ``episodes`` whose goal went out of reach before it was met (the fewest commands left to finish
+  came to exceed the steps left) and ``commands``: the command at which it did (five most frequent): on
+  lamps-habit's tight budgets a second look, on the other testbeds mostly wrong turns or format errors.
 
     python benchmarks/bench_actions.py runs/smol/lamps-cpu-smol-s0 runs/smol/lamps-cpu-smol-s2   # JSON
     python benchmarks/bench_actions.py     # no run given (`make bench`): a one-iteration lamps smoke run of its own
@@ -42,6 +48,13 @@ from qevolve_cli.envs.oracle import replay  # noqa: E402
 from qevolve_cli.errors import QevolveError  # noqa: E402
 
 TURN_ON = "turn on lamp"
+LOOK = "look"
+
+
+def lit_targets(state: tuple) -> int:
+    """How many of the task's lamps are on in :func:`replay`'s ``state``."""
+    targets, _room, lit, _left = state
+    return sum(t in lit for t in targets)
 
 
 def at_next_lamp(state: tuple) -> bool:
@@ -64,7 +77,18 @@ def action_stats(df: pl.DataFrame, max_steps: int | None = None, source: Any = N
     optimal = on_states = on_taken = 0
     failed_steps = failed_on = failed_on_opt = 0
     failed_cmds: Counter[str] = Counter()
+    look_states = look_taken = 0
+    lost: Counter[str] = Counter()
+    prev_traj, prev = None, None
     for rec, traj in zip(recs, df["traj_id"].to_list(), strict=True):
+        if traj != prev_traj:
+            prev_traj, prev = traj, None
+        if prev is not None and lit_targets(prev["next_state"]) > lit_targets(prev["state"]) and rec["d"] > 0:
+            look_states += 1
+            look_taken += rec["command"] == LOOK
+        if rec["d"] <= rec["left"] and rec["next_d"] > rec["next_left"]:
+            lost[rec["command"]] += 1
+        prev = rec
         good = rec["d"] > 0 and rec["next_d"] < rec["d"]
         optimal += good
         if at_next_lamp(rec["state"]):
@@ -91,6 +115,9 @@ def action_stats(df: pl.DataFrame, max_steps: int | None = None, source: Any = N
             "turn_on_optimal": round(failed_on_opt / failed_on, 4) if failed_on else None,
             "top_commands": dict(failed_cmds.most_common(5)),
         },
+        "look_after_states": look_states,
+        "look_after": round(look_taken / look_states, 4) if look_states else None,
+        "lost": {"episodes": sum(lost.values()), "commands": dict(lost.most_common(5))},
     }
 
 

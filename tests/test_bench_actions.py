@@ -19,16 +19,18 @@ def bench():
 
 
 def play(traj_id: str, task_id: str, commands: list[str | None], source: str = "self") -> list[dict]:
-    """Rows of an episode of ``commands`` (None: a format error) in the real lamps environment."""
-    env = make_env("lamps")
-    obs = env.reset(task_from_id("lamps", task_id))
+    """Rows of an episode of ``commands`` (None: a format error) in the real environment of ``task_id``
+    (lamps, lamps-habit)."""
+    name = task_id.split(":")[0]
+    env = make_env(name)
+    obs = env.reset(task_from_id(name, task_id))
     rows = []
     for t, c in enumerate(commands):
         if c is None:
             nxt, r, done, _ = env.skip_turn(FORMAT_ERROR_OBSERVATION)
         else:
             nxt, r, done, _ = env.step(c)
-        rows.append(dict(traj_id=traj_id, env="lamps", task_id=task_id, split="test_seen", source=source,
+        rows.append(dict(traj_id=traj_id, env=name, task_id=task_id, split="test_seen", source=source,
                          iteration=1, step=t, instruction="turn on the lamp", observation=obs,
                          action=f"Action: {c}" if c else "nonsense", command=c, next_observation=nxt,
                          reward_env=float(r), done=bool(done)))
@@ -56,6 +58,25 @@ def test_action_stats_by_hand(bench):
     f = s["failed"]
     assert (f["episodes"], f["steps"], f["turn_on"], f["turn_on_optimal"]) == (1, 7, round(1 / 7, 4), 0.0)
     assert f["top_commands"] == {"go east": 3, "turn on lamp": 1, "go west": 1, "<format error>": 1, "Done.": 1}
+
+
+def test_looks_after_a_lamp_and_where_the_goal_is_lost_by_hand(bench):
+    """lamps-habit, a tight task (kitchen -> bedroom, bathroom, hallway: 6 commands, budget 7): one look after
+    a lamp still succeeds, a second one puts the goal out of reach."""
+    task = "lamps-habit:kitchen:bedroom+bathroom+hallway"
+    one = play("one", task, ["go east", "turn on lamp", "look", "go east", "turn on lamp", "go east", "turn on lamp"])
+    two = play("two", task, ["go east", "turn on lamp", "look", "look", "go east", "turn on lamp", "go east"])
+    assert one[-1]["reward_env"] == 1.0 and two[-1]["done"] and two[-1]["reward_env"] == 0.0
+    s = bench.action_stats(pl.DataFrame(one + two))
+    # after each lamp with more to go: one's look and go east, two's look and go east (its last step)
+    assert (s["look_after_states"], s["look_after"]) == (4, 0.5)
+    assert s["lost"] == {"episodes": 1, "commands": {"look": 1}}  # two's second look, not its first
+    assert bench.action_stats(pl.DataFrame(one))["lost"] == {"episodes": 0, "commands": {}}
+    # lamps' 16 steps: a format error and a wrong turn cost nothing that cannot be made up
+    ok = play("ok", "lamps:kitchen:bathroom", [None, "go east", "go east", "go east", "go west", "turn on lamp"])
+    assert ok[-1]["reward_env"] == 1.0
+    s = bench.action_stats(pl.DataFrame(ok))
+    assert s["lost"]["episodes"] == 0 and s["look_after_states"] == 0 and s["look_after"] is None
 
 
 def test_cli_reads_a_run_directory(bench, tmp_path, capsys):

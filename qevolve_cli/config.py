@@ -155,7 +155,7 @@ class ConfigBase:
 
     #: fields that say how a stage runs, not what it makes (how often it checkpoints): hashed at their
     #: default value, so changing one on resume keeps the finished stages and the checkpoints of an
-    #: interrupted one (docs/evolve.md, "Resuming")
+    #: interrupted one (docs/evolve.md, "Run directory and resume")
     OPERATIONAL: ClassVar[tuple[str, ...]] = ()
 
     def _defaults(self) -> dict[str, Any]:

@@ -159,6 +159,19 @@ def test_selection_reads_no_test_split(tmp_path):
                      .replace("[{}, {epochs: 2}]", "[{}, {epochs: 2}, {epochs: 3}]"))
     with pytest.raises(QevolveError, match="finished stage 'bc' was done with another configuration"):
         check_reconfigure(resolve("lamps", "smoke", grid3, {"iters": 2}), run)
+    # a selection finished before checkpoint intervals left the hash (BC's candidates and its adoption recorded
+    # with bc.checkpoint_every_steps 5 in their hashes) is still this configuration's
+    from qevolve_cli.evolve.loop import _h
+
+    cfg5 = resolve("lamps", "smoke", cfg, {"iters": 2, "bc": {"checkpoint_every_steps": 5}})
+    b5, m = cfg5.stage("bc", 0), json.loads((run / "manifest.json").read_text())
+    bsel = m["stages"]["bc"]["metrics"]["selection"]["candidates"]
+    m["stages"]["bc"]["config_hash"] = _h(b5.legacy_hash(), [c["tag"] for c in bsel], [c["val_avg_reward"] for c in bsel])
+    for cand in cfg5.bc_candidates:
+        m["stages"][f"bc/cand_{S.candidate_tag(cand)}"]["config_hash"] = S.apply_candidate(b5, cand).legacy_hash()
+    (run / "manifest.json").write_text(json.dumps(m))
+    kept, to_run, _ = check_reconfigure(cfg5, run)
+    assert set(kept) == set(man) and to_run == []
     # candidate lists of another length than the run's are refused, naming the field
     r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--set", "rft_candidates=[{}]",
                     "--out", tmp_path / "c2", "--quiet", timeout=300, env=env)

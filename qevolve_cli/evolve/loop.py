@@ -430,10 +430,12 @@ def _select_and_adopt(cfg: EvolveConfig, run: RunDir, prefix: str, target: str, 
         _link_tree(run.path / sel["policy"], run.path / target)
         return {"selection": sel}
 
-    h = _h(base_cfg.hash(), [c["tag"] for c in sel["candidates"]], [c["val_avg_reward"] for c in sel["candidates"]])
+    tags, scores = [c["tag"] for c in sel["candidates"]], [c["val_avg_reward"] for c in sel["candidates"]]
+    h = _h(base_cfg.hash(), tags, scores)
+    old = base_cfg.legacy_hash()  # a selection adopted before checkpoint intervals left the hash
     name = "bc" if target == "bc/policy" else target  # the stage names of a run without selection
-    run.run_stage(name, adopt, inputs=list(inputs) + [sel["policy"]], outputs=[target], config_hash=h, iteration=k,
-                  echo=echo)
+    run.run_stage(name, adopt, inputs=list(inputs) + [sel["policy"]], outputs=[target], config_hash=h,
+                  legacy_hash=_h(old, tags, scores) if old else None, iteration=k, echo=echo)
     echo(f"[select] {target}: {describe(sel)}")
     return sel
 

@@ -72,9 +72,8 @@ def finished_table(run: Path, cfg, ccfg) -> dict | None:
     t, cc, ec = run / "compare" / "table.json", run / "compare" / "compare.yaml", run / "config.yaml"
     if not (t.is_file() and cc.is_file() and ec.is_file()):
         return None
-    saved = EvolveConfig.from_dict(yaml.safe_load(ec.read_text()))
-    if saved.hash() != cfg.hash() and saved.operational_changes(cfg) is None:  # checkpoint frequencies may differ
-        return None
+    if EvolveConfig.from_dict(yaml.safe_load(ec.read_text())).work_hash() != cfg.work_hash():  # checkpoint
+        return None  # intervals and log sinks may differ: they change how the run went, not what it made
     if CompareConfig.from_dict(yaml.safe_load(cc.read_text()) or {}).hash() != ccfg.hash():
         return None
     table = json.loads(t.read_text())

@@ -145,7 +145,7 @@ class EvolveConfig(ConfigBase):
             return None
         out = [f"{k} {getattr(self, k)} -> {getattr(other, k)}" for k in self.OPERATIONAL
                if getattr(self, k) != getattr(other, k)]
-        for name in _OPERATIONAL_SECTIONS:
+        for name in OPERATIONAL_SECTIONS:
             for k in (0,) if name == "bc" else range(1, self.iters + 1):
                 a, b = self.stage(name, k), other.stage(name, k)
                 where = "bc" if name == "bc" else f"iter_{k}/{name}"
@@ -163,9 +163,9 @@ class EvolveConfig(ConfigBase):
         d = copy.deepcopy(self.to_dict())
         for k in self.OPERATIONAL:
             d.pop(k, None)
-        for name, fields in _OPERATIONAL_SECTIONS.items():
+        for name in OPERATIONAL_SECTIONS:
             for part in [d[name]] + [it.get(name, {}) for it in d["iterations"]]:
-                for f in fields():
+                for f in _operational_fields(name):
                     part.pop(f, None)
         return EvolveConfig.from_dict(d, source="operational check")
 
@@ -262,20 +262,16 @@ class EvolveConfig(ConfigBase):
         raise KeyError(name)
 
 
-def _policy_operational() -> tuple[str, ...]:
+OPERATIONAL_SECTIONS = ("bc", "critic", "policy")
+"""The stage sections with operational fields (their config class's ``OPERATIONAL``)."""
+
+
+def _operational_fields(section: str) -> tuple[str, ...]:
+    """The ``OPERATIONAL`` fields of a stage section's config class (imported here, as :meth:`stage` does)."""
+    from qevolve_cli.critic.config import CriticConfig
     from qevolve_cli.policy.config import PolicyConfig
 
-    return PolicyConfig.OPERATIONAL
-
-
-def _critic_operational() -> tuple[str, ...]:
-    from qevolve_cli.critic.config import CriticConfig
-
-    return CriticConfig.OPERATIONAL
-
-
-_OPERATIONAL_SECTIONS = {"bc": _policy_operational, "critic": _critic_operational, "policy": _policy_operational}
-"""The stage sections with operational fields (their config class's ``OPERATIONAL``, read lazily)."""
+    return (CriticConfig if section == "critic" else PolicyConfig).OPERATIONAL
 
 
 def deep_merge(a: dict[str, Any], b: dict[str, Any], origin: dict[tuple, str] | None = None,

@@ -190,13 +190,14 @@ def _run_evolve(cfg: EvolveConfig, run_dir: Path, resume: bool, echo: Callable[[
         if not resume:
             raise QevolveError(f"{run.path}: a run already exists here; pass --resume to continue it or choose a new --run-dir")
         saved = EvolveConfig.from_dict(yaml.safe_load(cfg_path.read_text()), source=cfg_path)
-        changes = saved.operational_changes(cfg) if saved.hash() != cfg.hash() else None
+        differs = saved.hash() != cfg.hash()
+        changes = saved.operational_changes(cfg) if differs else None
         if changes is not None:  # how the stages run (checkpoints, log sinks), not what they make: nothing to redo
             prev = _archive_config(cfg_path)
             dump_yaml(cfg, cfg_path)
             echo(f"[resume] {cfg_path}: only how the stages run changed ({'; '.join(changes)}); every finished "
                  f"stage and checkpoint is kept (the earlier configuration kept as {prev.name})")
-        elif saved.hash() != cfg.hash():
+        elif differs:
             if not reconfigure:
                 raise QevolveError(
                     f"{cfg_path}: the run was started with another configuration (hash {saved.hash()} != {cfg.hash()}); "

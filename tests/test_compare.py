@@ -154,6 +154,22 @@ def test_compare_resumes_and_refuses_to_overwrite(run, compared):
     assert "[skip] rft (done)" in r.stderr and "[skip] eto (done)" in r.stderr and "[skip] oracle_v (done)" in r.stderr
     again = json.loads(r.stdout)
     assert again["rows"] == compared["rows"]  # greedy evaluation: the same score again
+    # how a training arm runs may change on resume (its finished stages kept, the old compare.yaml archived);
+    # what it makes may not
+    r = run_qevolve("compare", "--run-dir", run, "--resume", "--set", "rft.checkpoint_every_steps=7", "--json",
+                    timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cc = run / "compare" / "compare.yaml"
+    assert (f"compare: {cc}: only how the stages run changed (rft.checkpoint_every_steps default -> 7); every "
+            "finished stage and checkpoint is kept (the earlier configuration kept as compare.prev-1.yaml)") in r.stderr
+    assert "[skip] rft (done)" in r.stderr and not [ln for ln in r.stderr.splitlines() if ln.startswith("[run]")]
+    assert "checkpoint_every_steps: 7" in cc.read_text()
+    assert "checkpoint_every_steps" not in (run / "compare" / "compare.prev-1.yaml").read_text()
+    assert json.loads(r.stdout)["rows"] == compared["rows"]
+    r = run_qevolve("compare", "--run-dir", run, "--resume", "--set", "rft.checkpoint_every_steps=7",
+                    "--set", "rft.lr=0.001", "--quiet", timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        f"error: {cc}: the comparison was started with another configuration (hash "), r.stderr
 
 
 def test_rft_2_rows_added_on_resume_are_rft_on_its_own_rollouts(run, compared, tmp_path):

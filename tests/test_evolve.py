@@ -392,6 +392,26 @@ def test_operational_changes_name_each_changed_field():
     assert a.operational_changes(c) is None
 
 
+def test_compare_operational_changes_name_each_changed_field():
+    """CompareConfig.operational_changes: the arms' overrides may change how their training stages run
+    (checkpoint_every_steps) on resume; anything else, or beside it, is another comparison (None). The training
+    stages' own hashes do not see the operational field, so their finished work is kept."""
+    from qevolve_cli.evolve.compare import CompareConfig
+
+    a = CompareConfig(rft={"lr": 1e-4})
+    b = CompareConfig(rft={"lr": 1e-4, "checkpoint_every_steps": 10}, eto={"checkpoint_every_steps": 5})
+    assert a.operational_changes(b) == ["rft.checkpoint_every_steps default -> 10",
+                                        "eto.checkpoint_every_steps default -> 5"]
+    assert b.operational_changes(a) == ["rft.checkpoint_every_steps 10 -> default",
+                                        "eto.checkpoint_every_steps 5 -> default"]
+    assert a.operational_changes(a) == [] and a.work_hash() == b.work_hash() and a.hash() != b.hash()
+    assert a.operational_changes(CompareConfig(rft={"lr": 1e-3})) is None
+    assert a.operational_changes(CompareConfig(rft={"lr": 1e-4, "checkpoint_every_steps": 10}, best_of=4)) is None
+    run = resolve("lamps", "cpu")
+    assert a.rft_config(run).hash() == b.rft_config(run).hash()
+    assert a.eto_config(run).hash() == b.eto_config(run).hash()
+
+
 def test_iteration_overrides_merge_entry_by_entry():
     from qevolve_cli.evolve.config import deep_merge
 

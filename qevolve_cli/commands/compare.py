@@ -50,7 +50,8 @@ evaluations the run already made with that config are reused. Prints one table
 (rows = methods, columns = env x split, average reward x100, plus env steps),
 writes RUN_DIR/compare/ (table.md, table.json, manifest.json); --resume
 continues an interrupted comparison, and with other rows (--set arms=[...])
-adds them to a finished one, keeping every finished stage.
+adds them to a finished one, keeping every finished stage (so does a change of
+how a training arm runs: --set rft.checkpoint_every_steps=20).
 \b
 Examples:
   qevolve evolve --env lamps --preset cpu --iters 1 --run-dir runs/lamps-s0

@@ -107,6 +107,27 @@ class CompareConfig(ConfigBase):
         check_grid(self.rft_candidates, source, prefix + "rft_candidates")
         check_grid(self.eto_candidates, source, prefix + "eto_candidates")
 
+    def work_hash(self) -> str:
+        """:meth:`hash` of what the comparison makes: the ``rft`` / ``eto`` overrides without their operational
+        fields (``PolicyConfig.OPERATIONAL``: how a training stage runs, such as how often it checkpoints)."""
+        from qevolve_cli.policy.config import PolicyConfig
+
+        ops = PolicyConfig.OPERATIONAL
+        return self.replace(**{arm: {k: v for k, v in getattr(self, arm).items() if k not in ops}
+                               for arm in ("rft", "eto")}).hash()
+
+    def operational_changes(self, other: CompareConfig) -> list[str] | None:
+        """What ``other`` changes of this comparison when it differs only in operational fields of its arms'
+        overrides: one ``"rft.checkpoint_every_steps default -> 10"`` per changed field; None when it changes
+        anything else (its finished stages would not be this comparison's)."""
+        from qevolve_cli.policy.config import PolicyConfig
+
+        if self.work_hash() != other.work_hash():
+            return None
+        return [f"{arm}.{f} {getattr(self, arm).get(f, 'default')} -> {getattr(other, arm).get(f, 'default')}"
+                for arm in ("rft", "eto") for f in PolicyConfig.OPERATIONAL
+                if getattr(self, arm).get(f) != getattr(other, arm).get(f)]
+
     def rft_config(self, ecfg):
         from qevolve_cli.policy.config import PolicyConfig
 
@@ -185,7 +206,7 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     from qevolve_cli.config import dump_yaml
     from qevolve_cli.envs.oracle import SOLVERS, has_solver
     from qevolve_cli.evolve.config import EvolveConfig
-    from qevolve_cli.evolve.loop import Plan, _scalars, policy_start
+    from qevolve_cli.evolve.loop import Plan, _archive_config, _scalars, policy_start
     from qevolve_cli.evolve.rundir import RunDir
 
     ccfg = ccfg or CompareConfig()
@@ -217,16 +238,24 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
             raise QevolveError(f"{cdir}: a comparison already exists here; pass --resume to continue it or choose "
                                "another --out")
         saved = CompareConfig.from_dict(yaml.safe_load(cc_path.read_text()) or {}, source=cc_path)
-        # other rows may be asked for on resume (each arm's stages carry their own config hashes); nothing else
-        if saved.replace(arms=ccfg.arms).hash() != ccfg.hash():
+        # other rows may be asked for on resume (each arm's stages carry their own config hashes), and other
+        # operational fields of the arms' overrides (how a stage runs, not what it makes); nothing else
+        same_rows = saved.replace(arms=ccfg.arms)
+        changes = same_rows.operational_changes(ccfg) if same_rows.hash() != ccfg.hash() else []
+        if changes is None:
             raise QevolveError(f"{cc_path}: the comparison was started with another configuration (hash "
                                f"{saved.hash()} != {ccfg.hash()}); resume with the same flags or choose another --out")
+        if changes:
+            prev = _archive_config(cc_path)
+            echo(f"compare: {cc_path}: only how the stages run changed ({'; '.join(changes)}); every finished "
+                 f"stage and checkpoint is kept (the earlier configuration kept as {prev.name})")
         if saved.arms != ccfg.arms:
             echo(f"compare: rows {', '.join(saved.arms)} -> {', '.join(ccfg.arms)} (the finished stages are kept)")
             # the old table describes the old rows: gone before compare.yaml names the new ones, so a run
             # stopped in between never leaves a table that a reader would take for this comparison's
             for stale in ("table.json", "table.md"):
                 (cdir / stale).unlink(missing_ok=True)
+        if changes or saved.arms != ccfg.arms:
             dump_yaml(ccfg, cc_path)
     else:
         cdir.mkdir(parents=True, exist_ok=True)

@@ -171,8 +171,9 @@ def _set_aside(partial: Path) -> Path:
 
 
 def _archive_config(cfg_path: Path) -> Path:
-    """Keep the run's config.yaml as config.prev-N.yaml (the next free N) before it is replaced; return it."""
-    dst = _next_free(lambda n: cfg_path.parent / f"config.prev-{n}.yaml")
+    """Keep a run's config.yaml (compare's compare.yaml) as config.prev-N.yaml (compare.prev-N.yaml; the next
+    free N) before it is replaced; return it."""
+    dst = _next_free(lambda n: cfg_path.with_name(f"{cfg_path.stem}.prev-{n}{cfg_path.suffix}"))
     _link_or_copy(cfg_path, dst)  # the old config stays in place until the new one replaces it atomically
     return dst
 

@@ -5,6 +5,7 @@
 #   CODE_DIR: the checkout to run (a git worktree, so that editing main does not change a running seed)
 #   RUNS_DIR: where the run directories live (a seed found there resumes from its finished stages)
 # Extra bench_compare.py flags: LANE_FLAGS="--add-arms rft_2" scripts/seed_lane.sh ...
+# (scripts/rows_first.sh runs the rows of a seed that need no learned critic first, in the same run directory)
 set -u
 code=$1; runs=$2; shift 2
 py=${PYTHON:-$HOME/.cache/qevolve/venv/bin/python}

@@ -232,4 +232,9 @@ def test_critic_shared_prefix_equals_one_forward_per_row(tiny_model_dir):
             torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
         assert a[4].keys() == b[4].keys()
         for n in a[4]:
-            torch.testing.assert_close(b[4][n], a[4][n], atol=1e-5, rtol=1e-4)
+            # float32 round-off grows with the tensor's scale, not with each element's: bounded by the largest
+            # gradient of the tensor (an element-wise rtol fails on the near-zero ones). On an AMD EPYC (no
+            # AMX) the layouts differ by up to 2e-5 of it; in float64 they agree to 3e-7 of it (float32 casts
+            # inside the model); a gradient lost or counted twice through the shared prefix is O(1) of it
+            err, scale = float((b[4][n] - a[4][n]).abs().max()), float(a[4][n].abs().max())
+            assert err <= 1e-4 * scale + 1e-7, (key, n, err, scale)

@@ -166,6 +166,13 @@ def test_compare_resumes_and_refuses_to_overwrite(run, compared):
     assert "checkpoint_every_steps: 7" in cc.read_text()
     assert "checkpoint_every_steps" not in (run / "compare" / "compare.prev-1.yaml").read_text()
     assert json.loads(r.stdout)["rows"] == compared["rows"]
+    # a bad value is refused before anything is written: compare.yaml stays as it was, nothing archived
+    before = cc.read_text()
+    r = run_qevolve("compare", "--run-dir", run, "--resume", "--set", "rft.checkpoint_every_steps=-3", "--quiet",
+                    timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: compare config: rft: field 'checkpoint_every_steps': must be >= 0, got -3"], r.stderr
+    assert cc.read_text() == before and not (run / "compare" / "compare.prev-2.yaml").exists()
     r = run_qevolve("compare", "--run-dir", run, "--resume", "--set", "rft.checkpoint_every_steps=7",
                     "--set", "rft.lr=0.001", "--quiet", timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(

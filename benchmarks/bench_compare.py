@@ -23,6 +23,10 @@ resumes at its last finished stage.
         --runs runs/bench --keep-tables benchmarks/results/compare_tables & done; wait
     python benchmarks/bench_compare.py --envs lamps-habit --seeds 0 1 2 3 4 --collect \
         --keep-tables benchmarks/results/compare_tables --markdown    # the seeds kept so far, run nothing
+    # the summary of given tables (runs' compare/table.json, kept tables, or a file of several seeds' tables),
+    # the rows every seed has: seeds whose comparison made only some rows (scripts/rows_first.sh)
+    python benchmarks/bench_compare.py --tables benchmarks/results/compare_smollm2_lamps_habit_rows_first_2026-11-30.json \
+        --markdown
     # the pretrained model (SmolLM2-135M-Instruct, LoRA), one iteration, the arms' own settings, both cores:
     nice python benchmarks/bench_compare.py --envs lamps --preset cpu-smol --iters 1 --no-select --threads 2 \
         --seeds 0 1 2 --runs runs/smol --markdown
@@ -124,6 +128,42 @@ def _write_kept(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(obj, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def read_tables(paths: list[Path]) -> dict[str, list[dict]]:
+    """The seeds' tables in ``paths``, by environment, each environment's in seed order. A file is one seed's table
+    (a run's ``compare/table.json``), a table kept by --keep-tables (``{"table": ...}``) or several seeds'
+    tables (``{"seeds": {"0": table, ...}}``). A file that is none of these, two tables of one environment and
+    seed, or one environment's tables with other columns stop with one line naming the file."""
+    by_env: dict[str, dict[int, tuple[Path, dict]]] = {}
+    for path in paths:
+        try:
+            obj = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"bench_compare: {path}: not a readable JSON file ({e})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("seeds"), dict):
+            found = list(obj["seeds"].values())
+        elif isinstance(obj, dict) and isinstance(obj.get("table"), dict):
+            found = [obj["table"]]
+        else:
+            found = [obj]
+        for t in found:
+            if not (isinstance(t, dict) and isinstance(t.get("rows"), list) and isinstance(t.get("columns"), list)
+                    and isinstance(t.get("env"), str) and isinstance(t.get("seed"), int)):
+                raise SystemExit(f"bench_compare: {path}: not a comparison table (field 'env', 'seed', 'columns' or "
+                                 "'rows' missing): give a run's compare/table.json, a kept table or a file of "
+                                 "several seeds' tables")
+            seeds = by_env.setdefault(t["env"], {})
+            if t["seed"] in seeds:
+                raise SystemExit(f"bench_compare: {path}: {t['env']} seed {t['seed']} is also in "
+                                 f"{seeds[t['seed']][0]}: give each seed once")
+            first = next(iter(seeds.values()), None)
+            if first is not None and first[1]["columns"] != t["columns"]:
+                raise SystemExit(f"bench_compare: {path}: field 'columns' of {t['env']} seed {t['seed']} is "
+                                 f"{t['columns']}, but {first[0]} has {first[1]['columns']}: the seeds must be "
+                                 "evaluated on the same splits")
+            seeds[t["seed"]] = (Path(path), t)
+    return {env: [seeds[s][1] for s in sorted(seeds)] for env, seeds in by_env.items()}
 
 
 def stage_seconds(run: Path) -> dict | None:
@@ -290,6 +330,10 @@ def main() -> None:
                                                                    "finished seeds from there: a seed kept "
                                                                    "there is not re-run even when its run "
                                                                    "directory is gone.")
+    ap.add_argument("--tables", type=Path, nargs="+", default=None,
+                    help="Only summarize these tables (run nothing; --envs, --seeds and the run flags are not used): "
+                         "runs' compare/table.json, kept tables or files of several seeds' tables (read_tables). "
+                         "The rows every seed has are summarized.")
     ap.add_argument("--markdown", action="store_true", help="Also print the tables for docs/compare.md (stderr).")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training stages (1: seeds side by "
                                                            "side on the tiny model; 2 for --preset cpu-smol, whose "
@@ -303,6 +347,9 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     select = not a.no_select
+    if a.tables:
+        summarize_files(a.tables, a.boot, a.markdown)
+        return
 
     import torch
 
@@ -357,6 +404,19 @@ def main() -> None:
             print(budget_markdown(env, done_seeds, tables), file=sys.stderr, flush=True)
             if cost := cost_markdown(env, done_seeds, times):
                 print(cost, file=sys.stderr, flush=True)
+    print(json.dumps(result, indent=1))
+
+
+def summarize_files(paths: list[Path], n_boot: int, md: bool) -> None:
+    """--tables: the summary of the given tables, by environment (the JSON of a run, without times)."""
+    result: dict = {"tables": [str(p) for p in paths], "envs": {}}
+    for env, tables in read_tables(paths).items():
+        seeds = [t["seed"] for t in tables]
+        summary = summarize(tables, n_boot)
+        result["envs"][env] = {"seeds": seeds, "columns": tables[0]["columns"], "summary": summary}
+        if md:
+            print(markdown(env, seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
+            print(budget_markdown(env, seeds, tables), file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))
 
 

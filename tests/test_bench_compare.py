@@ -157,3 +157,41 @@ def test_stage_seconds_sum_the_finished_stages_of_both_manifests(bc, tmp_path):
     assert bc.add_kept_times(kept, {"evolve_stage_s": 1.0}) == merged  # what is kept wins
     md = bc.cost_markdown("lamps-habit", [0, 1], {0: merged, 1: {"evolve_s": 3.0}})
     assert md.strip() == "**lamps-habit**, cost summed over the stages of each seed: seed 0: evolve 2 + compare 1 min"
+
+
+def test_tables_are_summarized_from_files_of_every_shape(bc, tmp_path, capsys):
+    """--tables: a run's compare/table.json, a kept table and a file of several seeds' tables are read into one
+    summary per environment, the seeds in order, the rows every seed has; a bad file stops with one line naming
+    it and the field (hand case: three seeds of two tasks)."""
+    def table(env, seed, sft, rft, extra=()):
+        rows = [{"arm": a, "method": a.upper(), "oracle": False, "self_play_steps": 0, "eval_steps": 0, "budget": [],
+                 "per_task": {f"{env}/test": {"a": r1, "b": r2}}} for a, (r1, r2) in (("sft", sft), ("rft", rft),
+                                                                                       *extra)]
+        return {"env": env, "seed": seed, "columns": [f"{env}/test"], "rows": rows}
+
+    s0 = table("e", 0, (0, 0), (1, 0), [("eto", (1, 1))])  # the only seed with an ETO row: left out
+    (tmp_path / "table.json").write_text(json.dumps(s0))
+    (tmp_path / "kept.json").write_text(json.dumps({"arms": ["sft", "rft"], "table": table("e", 2, (0, 1), (1, 1))}))
+    (tmp_path / "seeds.json").write_text(json.dumps({"what": "x", "seeds": {"1": table("e", 1, (1, 0), (1, 1)),
+                                                                            "0": table("f", 0, (0, 0), (0, 0))}}))
+    got = bc.read_tables([tmp_path / "seeds.json", tmp_path / "kept.json", tmp_path / "table.json"])
+    assert sorted(got) == ["e", "f"] and [t["seed"] for t in got["e"]] == [0, 1, 2] and len(got["f"]) == 1
+    bc.summarize_files([tmp_path / "table.json", tmp_path / "seeds.json", tmp_path / "kept.json"], 200, md=True)
+    out, err = capsys.readouterr()
+    e = json.loads(out)["envs"]["e"]
+    assert e["seeds"] == [0, 1, 2] and list(e["summary"]) == ["sft", "rft"]
+    r = e["summary"]["rft"]["columns"]["e/test"]
+    assert r["per_seed"] == [0.5, 1.0, 1.0] and r["minus_sft"]["mean"] == pytest.approx(0.5)  # (1+0+0+1+1+0)/6
+    assert "**e**, seeds 0, 1, 2" in err and "**f**, seeds 0" in err
+    # the same seed twice, other columns, a file that is not a table: one line naming the file
+    for files, words in (([tmp_path / "table.json", tmp_path / "table.json"], "e seed 0 is also in"),
+                         ([tmp_path / "other.json"], "field 'columns' of e seed 5"),
+                         ([tmp_path / "bad.json"], "not a comparison table"),
+                         ([tmp_path / "gone.json"], "not a readable JSON file")):
+        (tmp_path / "other.json").write_text(json.dumps({"seeds": {"0": s0, "5": {**table("e", 5, (0, 0), (0, 0)),
+                                                                               "columns": ["e/x"]}}}))
+        (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+        with pytest.raises(SystemExit) as ex:
+            bc.read_tables(files)
+        msg = str(ex.value)
+        assert words in msg and str(files[-1]) in msg and "\n" not in msg

@@ -147,6 +147,8 @@ def read_tables(paths: list[Path]) -> dict[str, list[dict]]:
             found = [obj["table"]]
         else:
             found = [obj]
+        if not found:
+            raise SystemExit(f"bench_compare: {path}: field 'seeds' is empty: no table to summarize")
         for t in found:
             if not (isinstance(t, dict) and isinstance(t.get("rows"), list) and isinstance(t.get("columns"), list)
                     and isinstance(t.get("env"), str) and isinstance(t.get("seed"), int)):
@@ -310,6 +312,19 @@ def budget_markdown(env: str, seeds: list[int], tables: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize_files(paths: list[Path], n_boot: int, md: bool) -> None:
+    """--tables: the summary of the given tables, by environment (the JSON of a run, without times)."""
+    result: dict = {"tables": [str(p) for p in paths], "envs": {}}
+    for env, tables in read_tables(paths).items():
+        seeds = [t["seed"] for t in tables]
+        summary = summarize(tables, n_boot)
+        result["envs"][env] = {"seeds": seeds, "columns": tables[0]["columns"], "summary": summary}
+        if md:
+            print(markdown(env, seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
+            print(budget_markdown(env, seeds, tables), file=sys.stderr, flush=True)
+    print(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--envs", "--env", nargs="+", default=["lamps", "lamps-hard"])
@@ -404,19 +419,6 @@ def main() -> None:
             print(budget_markdown(env, done_seeds, tables), file=sys.stderr, flush=True)
             if cost := cost_markdown(env, done_seeds, times):
                 print(cost, file=sys.stderr, flush=True)
-    print(json.dumps(result, indent=1))
-
-
-def summarize_files(paths: list[Path], n_boot: int, md: bool) -> None:
-    """--tables: the summary of the given tables, by environment (the JSON of a run, without times)."""
-    result: dict = {"tables": [str(p) for p in paths], "envs": {}}
-    for env, tables in read_tables(paths).items():
-        seeds = [t["seed"] for t in tables]
-        summary = summarize(tables, n_boot)
-        result["envs"][env] = {"seeds": seeds, "columns": tables[0]["columns"], "summary": summary}
-        if md:
-            print(markdown(env, seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
-            print(budget_markdown(env, seeds, tables), file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))
 
 

@@ -187,10 +187,12 @@ def test_tables_are_summarized_from_files_of_every_shape(bc, tmp_path, capsys):
     for files, words in (([tmp_path / "table.json", tmp_path / "table.json"], "e seed 0 is also in"),
                          ([tmp_path / "other.json"], "field 'columns' of e seed 5"),
                          ([tmp_path / "bad.json"], "not a comparison table"),
+                         ([tmp_path / "none.json"], "field 'seeds' is empty"),
                          ([tmp_path / "gone.json"], "not a readable JSON file")):
         (tmp_path / "other.json").write_text(json.dumps({"seeds": {"0": s0, "5": {**table("e", 5, (0, 0), (0, 0)),
                                                                                "columns": ["e/x"]}}}))
         (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+        (tmp_path / "none.json").write_text(json.dumps({"seeds": {}}))
         with pytest.raises(SystemExit) as ex:
             bc.read_tables(files)
         msg = str(ex.value)

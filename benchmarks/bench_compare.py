@@ -312,16 +312,24 @@ def budget_markdown(env: str, seeds: list[int], tables: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def env_result(env: str, seeds: list[int], tables: list[dict], n_boot: int, md: bool, times: dict | None = None) -> dict:
+    """One environment's entry of the JSON (seeds, columns, the summary; the times when given); with ``md`` the
+    tables for docs/compare.md on stderr: scores and paired differences, budgets, and the cost where recorded."""
+    summary = summarize(tables, n_boot)
+    if md:
+        print(markdown(env, seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
+        print(budget_markdown(env, seeds, tables), file=sys.stderr, flush=True)
+        if times and (cost := cost_markdown(env, seeds, times)):
+            print(cost, file=sys.stderr, flush=True)
+    times_entry = {"times": times} if times is not None else {}
+    return {"seeds": seeds, "columns": tables[0]["columns"], **times_entry, "summary": summary}
+
+
 def summarize_files(paths: list[Path], n_boot: int, md: bool) -> None:
     """--tables: the summary of the given tables, by environment (the JSON of a run, without times)."""
     result: dict = {"tables": [str(p) for p in paths], "envs": {}}
     for env, tables in read_tables(paths).items():
-        seeds = [t["seed"] for t in tables]
-        summary = summarize(tables, n_boot)
-        result["envs"][env] = {"seeds": seeds, "columns": tables[0]["columns"], "summary": summary}
-        if md:
-            print(markdown(env, seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
-            print(budget_markdown(env, seeds, tables), file=sys.stderr, flush=True)
+        result["envs"][env] = env_result(env, [t["seed"] for t in tables], tables, n_boot, md)
     print(json.dumps(result, indent=1))
 
 
@@ -411,14 +419,7 @@ def main() -> None:
                                                         for r in table["rows"]}), file=sys.stderr, flush=True)
         if not tables:
             continue
-        summary = summarize(tables, a.boot)
-        result["envs"][env] = {"seeds": done_seeds, "columns": tables[0]["columns"], "times": times,
-                               "summary": summary}
-        if a.markdown:
-            print(markdown(env, done_seeds, summary, tables[0]["columns"]), file=sys.stderr, flush=True)
-            print(budget_markdown(env, done_seeds, tables), file=sys.stderr, flush=True)
-            if cost := cost_markdown(env, done_seeds, times):
-                print(cost, file=sys.stderr, flush=True)
+        result["envs"][env] = env_result(env, done_seeds, tables, a.boot, a.markdown, times)
     print(json.dumps(result, indent=1))
 
 

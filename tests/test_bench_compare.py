@@ -184,15 +184,15 @@ def test_tables_are_summarized_from_files_of_every_shape(bc, tmp_path, capsys):
     assert r["per_seed"] == [0.5, 1.0, 1.0] and r["minus_sft"]["mean"] == pytest.approx(0.5)  # (1+0+0+1+1+0)/6
     assert "**e**, seeds 0, 1, 2" in err and "**f**, seeds 0" in err
     # the same seed twice, other columns, a file that is not a table: one line naming the file
+    (tmp_path / "other.json").write_text(json.dumps({"seeds": {"0": s0, "5": {**table("e", 5, (0, 0), (0, 0)),
+                                                                           "columns": ["e/x"]}}}))
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "none.json").write_text(json.dumps({"seeds": {}}))
     for files, words in (([tmp_path / "table.json", tmp_path / "table.json"], "e seed 0 is also in"),
                          ([tmp_path / "other.json"], "field 'columns' of e seed 5"),
                          ([tmp_path / "bad.json"], "not a comparison table"),
                          ([tmp_path / "none.json"], "field 'seeds' is empty"),
                          ([tmp_path / "gone.json"], "not a readable JSON file")):
-        (tmp_path / "other.json").write_text(json.dumps({"seeds": {"0": s0, "5": {**table("e", 5, (0, 0), (0, 0)),
-                                                                               "columns": ["e/x"]}}}))
-        (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
-        (tmp_path / "none.json").write_text(json.dumps({"seeds": {}}))
         with pytest.raises(SystemExit) as ex:
             bc.read_tables(files)
         msg = str(ex.value)

@@ -438,7 +438,9 @@ def test_plan_uses_the_chosen_critic_backbone(tmp_path):
 
 def test_cpu_smol_preset(tmp_path):
     """--preset cpu-smol: the pretrained SmolLM2 base (init-model --from), LoRA r 16 on all linear layers for
-    the BC / BPPO policy and the critic, fp32; a bad pretrained name is a config error."""
+    the BC / BPPO policy and the critic, fp32; every policy stage (and compare's RFT and ETO arms) checkpoints
+    every 10 optimiser steps, the critic every 50 updates; a bad pretrained name is a config error."""
+    from qevolve_cli.evolve.compare import CompareConfig
     from qevolve_cli.evolve.loop import Plan
 
     cfg = resolve("lamps", "cpu-smol", overrides={"iters": 1})
@@ -446,8 +448,12 @@ def test_cpu_smol_preset(tmp_path):
     for name, k in (("bc", 0), ("policy", 1)):
         p = cfg.stage(name, k)
         assert (p.lora, p.lora_r, p.lora_target_modules, p.device) == (True, 16, "all-linear", "cpu")
+        assert p.checkpoint_every_steps == 10
+    ccfg = CompareConfig()
+    assert ccfg.rft_config(cfg).checkpoint_every_steps == ccfg.eto_config(cfg).checkpoint_every_steps == 10
     c = cfg.stage("critic", 1)
     assert (c.lora_rank, c.lora_target_modules, c.dtype) == (16, ["all-linear"], "float32")
+    assert c.checkpoint and c.checkpoint_every_steps == 50
     assert "qevolve init-model --from smollm2-135m-instruct --out base_model" in Plan(cfg, tmp_path).shell()
     with pytest.raises(ConfigError, match="unknown pretrained model 'gpt-5'"):
         resolve("lamps", "cpu-smol", overrides={"init_model": "from:gpt-5"})

@@ -454,6 +454,8 @@ def test_cpu_smol_preset(tmp_path):
     c = cfg.stage("critic", 1)
     assert (c.lora_rank, c.lora_target_modules, c.dtype) == (16, ["all-linear"], "float32")
     assert c.checkpoint and c.checkpoint_every_steps == 50
+    tc = resolve("textcraft", "cpu-smol", overrides={"iters": 1})  # 60 demonstrations, the whole held-out splits
+    assert (tc.expert_limit, tc.eval_max_tasks, tc.stage("rollout", 1).max_steps) == (60, 0, 20)
     assert "qevolve init-model --from smollm2-135m-instruct --out base_model" in Plan(cfg, tmp_path).shell()
     with pytest.raises(ConfigError, match="unknown pretrained model 'gpt-5'"):
         resolve("lamps", "cpu-smol", overrides={"init_model": "from:gpt-5"})

@@ -296,10 +296,13 @@ def test_bad_tables_fail_with_one_line(tiny_model_dir, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_critic_trains_and_scores_on_gpu_bf16(tiny_model_dir, tmp_path):
     df = labelled(n_traj=3, mean_steps=3, seed=5)
+    # schedule both: every epoch updates Q and V (alternate gives this one batch to Q, then to V)
     cfg = CriticConfig(epochs=2, lr=1e-3, lora_rank=4, head_hidden=16, device="cuda", dtype="bfloat16",
-                       gradient_checkpointing=True, checkpoint=False)
+                       schedule="both", gradient_checkpointing=True, checkpoint=False)
     s = train_critic(cfg, df, tiny_model_dir, tmp_path / "c")
-    assert np.isfinite(s["metrics"][-1]["loss_q"])
+    last = s["metrics"][-1]
+    assert last["q_updates"] > 0 and last["v_updates"] > 0
+    assert np.isfinite([last["loss_q"], last["loss_v"]]).all()
     sc = score_table(df, tmp_path / "c", device="cuda")
     assert np.isfinite(sc["value"].to_numpy()).all()
     cpu = score_table(df, tmp_path / "c", device="cpu")

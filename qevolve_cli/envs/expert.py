@@ -43,6 +43,13 @@ def _rows(task: Task, iteration: int, instruction: str, obs0: str, steps: list[t
     return rows
 
 
+def no_expert_message(env: str, split: str, stats: dict) -> str:
+    """The one-line reason why ``collect_expert`` returned no trajectory (its ``stats``), first error named."""
+    first = next(iter(stats["error_reasons"].items()), None)
+    why = f"; first error, {first[0]}: {first[1]}" if first else ""
+    return f"{env}/{split}: no successful expert trajectory ({stats['failed']} failed, {stats['errors']} errors{why})"
+
+
 def collect_expert(env: str, split: str = "train", limit: int | None = None, workers: int = 1,
                    tasks: list[Task] | None = None, keep_failed: bool = False, timeout_s: float = 120.0,
                    stats: dict | None = None, on_progress: Callable[[int, int, int], None] | None = None,

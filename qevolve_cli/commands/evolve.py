@@ -8,6 +8,7 @@ import typer
 
 from qevolve_cli.commands.common import (
     ConfigOpt,
+    EnvOpt,
     JsonOpt,
     PrecisionOpt,
     PrintConfigOpt,
@@ -61,7 +62,7 @@ def evolve_rows(cfg, origin: dict[tuple, str]) -> list[tuple[str, object, str]]:
 def register(app: typer.Typer) -> None:
     @app.command("evolve", help=HELP)
     def evolve(
-        env: Annotated[str, typer.Option("--env", help="textcraft, sciworld, alfworld or webshop.")],
+        env: EnvOpt,
         iters: Annotated[int | None, typer.Option("--iters", help="Evolving iterations K.")] = None,
         model: Annotated[str | None, typer.Option("--model", help="Base model directory (HF checkpoint).")] = None,
         policy: Annotated[str | None, typer.Option("--policy", help="Start from this policy (skip BC).")] = None,

@@ -35,6 +35,7 @@ from typing import Any
 from qevolve_cli.atomic import write_json
 from qevolve_cli.envs.splits import STAGE_ENV
 from qevolve_cli.errors import QevolveError
+from qevolve_cli.memory import release_memory
 
 MANIFEST = "manifest.json"
 HEARTBEATS = ".heartbeats"  # RUN/.heartbeats/<stage>.json: the last sign of life of a running stage
@@ -179,6 +180,7 @@ class RunDir:
                 os.environ.pop(STAGE_ENV, None)
             else:
                 os.environ[STAGE_ENV] = outer
+            release_memory()  # the next stage (or another job on the machine) gets this one's peak back
         missing = [o for o in outputs if not (self.path / o).exists()]
         if missing:
             raise QevolveError(f"stage {name!r} finished without writing {', '.join(missing)}")

@@ -173,6 +173,7 @@ class RunDir:
                       error=str(e).splitlines()[0] if str(e) else type(e).__name__, seconds=secs,
                       seconds_total=round(before + secs, 3))
             self.save()
+            release_memory()  # outside the stage's timed seconds, as below
             raise
         finally:
             stop()
@@ -180,7 +181,6 @@ class RunDir:
                 os.environ.pop(STAGE_ENV, None)
             else:
                 os.environ[STAGE_ENV] = outer
-            release_memory()  # the next stage (or another job on the machine) gets this one's peak back
         missing = [o for o in outputs if not (self.path / o).exists()]
         if missing:
             raise QevolveError(f"stage {name!r} finished without writing {', '.join(missing)}")
@@ -193,6 +193,7 @@ class RunDir:
         for f in [hb_path, *hb_path.parent.glob(f".{hb_path.name}.*.tmp")]:  # and what a kill left mid-write
             f.unlink(missing_ok=True)
         self.log({"stage": name, "iteration": iteration, "seconds": st["seconds"], **_flat(metrics)})
+        release_memory()  # the next stage (or another job on the machine) gets this one's peak back
         return metrics
 
 

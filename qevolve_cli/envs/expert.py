@@ -14,6 +14,7 @@ from typing import Any
 import polars as pl
 
 from qevolve_cli.envs.base import Task
+from qevolve_cli.errors import QevolveError
 from qevolve_cli.react import format_react
 
 THOUGHT_TEMPLATE = "The next step towards the goal is to {command}."
@@ -43,8 +44,8 @@ def _rows(task: Task, iteration: int, instruction: str, obs0: str, steps: list[t
     return rows
 
 
-def no_expert_message(env: str, split: str, stats: dict) -> str:
-    """The one-line reason why ``collect_expert`` returned no trajectory (its ``stats``), first error named."""
+def _no_expert_message(env: str, split: str, stats: dict) -> str:
+    """The one-line reason why ``collect_expert`` collected no trajectory (its ``stats``), first error named."""
     first = next(iter(stats["error_reasons"].items()), None)
     why = f"; first error, {first[0]}: {first[1]}" if first else ""
     return f"{env}/{split}: no successful expert trajectory ({stats['failed']} failed, {stats['errors']} errors{why})"
@@ -129,5 +130,7 @@ def collect_expert(env: str, split: str = "train", limit: int | None = None, wor
     st["success_rate"] = st["succeeded"] / total if total else 0.0
     if stats is not None:
         stats.update(st)
+    if not rows:  # e.g. the environment's package missing: say why, not hand on an empty table
+        raise QevolveError(_no_expert_message(env, split, st))
     schema = {**BASE_COLUMNS, "task_type": EXTRA_COLUMNS["task_type"], "error": EXTRA_COLUMNS["error"]}
     return pl.DataFrame(rows, schema=schema)

@@ -9,23 +9,21 @@ about 4. :func:`release_memory` runs after every stage (``RunDir.run_stage``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import sys
 from collections.abc import Callable
 
-_TRIM: Callable[[int], int] | None | bool = False  # False: not looked up yet; None: not available
 
-
+@functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    global _TRIM
-    if _TRIM is False:
-        _TRIM = None
-        if sys.platform.startswith("linux"):
-            try:
-                _TRIM = ctypes.CDLL(None).malloc_trim  # glibc; musl and other C libraries have none
-            except (OSError, AttributeError):
-                _TRIM = None
-    return _TRIM  # type: ignore[return-value]
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def release_memory() -> bool:

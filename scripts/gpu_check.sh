@@ -21,6 +21,9 @@ start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - start) )); }
 step() { echo "== $(date -u +%T) +$(( $(date +%s) - start ))s $*" | tee -a "$out/gpu_check.log" >&2; }
 q() { "$py" -m qevolve_cli "$@"; }
+# the SmolLM2 run: `evolve ARGS` then, in the time left, `evolve ARGS --resume` (a stop at a time limit resumes)
+evolve=(evolve --env lamps-habit --preset cpu-smol --config scripts/gpu-smol.yaml --precision bf16 --iters 1
+        --seed 0 --run-dir "$run" --json)
 pack() {  # the run directory without weights and optimiser state (tables, manifests, summaries, configs)
   [ -d "$run" ] && tar -C "$work" -czf "$out/run.tar.gz" --exclude='*.safetensors' --exclude='*.pt' \
     --exclude='*.bin' --exclude='checkpoint*' --exclude='base_model' "$(basename "$run")"
@@ -37,9 +40,7 @@ step "pytest -m gpu"
 tail -3 "$out/pytest_gpu.txt" | tee -a "$out/gpu_check.log"
 
 step "evolve (lamps-habit, SmolLM2, cpu-smol on the GPU, bf16; $(left) s left)"
-timeout "$(( $(left) - 150 ))" "$py" -m qevolve_cli evolve --env lamps-habit --preset cpu-smol \
-  --config scripts/gpu-smol.yaml --precision bf16 --iters 1 --seed 0 --run-dir "$run" --json \
-  > "$out/evolve.json" 2>> "$out/gpu_check.log"
+timeout "$(( $(left) - 150 ))" "$py" -m qevolve_cli "${evolve[@]}" > "$out/evolve.json" 2>> "$out/gpu_check.log"
 echo "evolve rc $?" | tee -a "$out/gpu_check.log"; pack
 
 step "BC under DeepSpeed ZeRO-2 (one rank, bf16; $(left) s left)"
@@ -54,9 +55,8 @@ fi
 
 if [ "$(left)" -gt 60 ]; then
   step "evolve --resume ($(left) s left)"
-  timeout "$(( $(left) - 20 ))" "$py" -m qevolve_cli evolve --env lamps-habit --preset cpu-smol \
-    --config scripts/gpu-smol.yaml --precision bf16 --iters 1 --seed 0 --run-dir "$run" --resume --json \
-    > "$out/evolve.json" 2>> "$out/gpu_check.log"
+  timeout "$(( $(left) - 20 ))" "$py" -m qevolve_cli "${evolve[@]}" --resume > "$out/evolve.json" \
+    2>> "$out/gpu_check.log"
   echo "evolve rc $?" | tee -a "$out/gpu_check.log"; pack
 fi
 if [ "$(left)" -gt 60 ]; then

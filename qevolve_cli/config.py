@@ -172,6 +172,11 @@ class ConfigBase:
         old = self._hash(operational=True)
         return old if old != self.hash() else None
 
+    def hash_extra(self) -> dict[str, Any]:
+        """What the configuration's result depends on beyond its fields (e.g. the order a split's tasks come in),
+        added to :meth:`hash`; empty by default, so existing hashes stay."""
+        return {}
+
     def _hash(self, operational: bool) -> str:
         d = self.to_dict()
         if self.SELECT_FIELDS and not getattr(self, self.SELECT_FIELDS[0]):
@@ -184,6 +189,7 @@ class ConfigBase:
                     d.pop(k, None)
             if not operational:
                 d.update({k: defaults[k] for k in self.OPERATIONAL})
+        d.update(self.hash_extra())
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @classmethod

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from qevolve_cli.envs import list_tasks, task_from_id
-from qevolve_cli.envs.splits import alfworld_task_type
+from qevolve_cli.envs.splits import TASK_ORDER, alfworld_task_type, mixed_order, task_order_tag
 from qevolve_cli.errors import QevolveError
 
 COUNTS = {
@@ -63,7 +63,7 @@ def test_textcraft_splits_are_rebuilt_identically_and_unseen_families_are_unseen
 
     built = build_splits()
     for split, names in built.items():
-        assert [t.task_id for t in list_tasks("textcraft", split)] == [f"textcraft:{n}" for n in names]
+        assert sorted(t.task_id for t in list_tasks("textcraft", split)) == [f"textcraft:{n}" for n in names]
     train_fams = {n.split("_")[-1] for n in built["train"] + built["test_seen"]}
     assert not train_fams & {n.split("_")[-1] for n in built["test_unseen"]}
 
@@ -75,3 +75,79 @@ def test_limit_and_bad_split():
         list_tasks("webshop", "test_seen")
     with pytest.raises(QevolveError, match="unknown environment"):
         list_tasks("minecraft", "train")
+
+
+def _file_order(env: str, split: str) -> list[str]:
+    from qevolve_cli.envs.splits import _load
+
+    if env == "alfworld":
+        return [f"alfworld:{g}" for g in _load("alfworld", f"{split}.json")]
+    return [f"textcraft:{g}" for g in _load("textcraft", f"{split}.json")]
+
+
+@pytest.mark.parametrize("env", ["alfworld", "textcraft"])
+def test_sorted_split_files_come_in_a_mixed_order(env):
+    """ALFWorld's files are sorted by task type and TextCraft's alphabetically: a first N taken in file order was
+    one task type (the first 100 ALFWorld train games are all look_at_obj_in_light) or one stretch of the alphabet
+    (TextCraft's first 60 goals run acacia_boat .. crafting_table). list_tasks mixes them, same tasks."""
+    for split in ("train", "test_seen", "test_unseen"):
+        ids = [t.task_id for t in list_tasks(env, split)]
+        file_ids = _file_order(env, split)
+        assert sorted(ids) == sorted(file_ids) and ids != file_ids
+    if env == "alfworld":
+        assert {alfworld_task_type(g.split(":", 1)[1]) for g in _file_order(env, "train")[:100]} == \
+            {"look_at_obj_in_light"}  # the files' order, as said above
+        assert len({t.task_type for t in list_tasks(env, "train", limit=12)}) == 6
+    else:
+        first = [t.task_id.split(":")[1] for t in list_tasks(env, "train", limit=60)]
+        assert len({g[0] for g in first}) >= 12  # initials across the alphabet, not a..c
+    assert list_tasks(env, "train", limit=40) == list_tasks(env, "train")[:40]
+
+
+def test_mixed_order_keeps_each_task_types_share_in_every_prefix():
+    from collections import Counter
+
+    for split in ("train", "test_seen", "test_unseen"):
+        tasks = list_tasks("alfworld", split)
+        total, n, seen = Counter(t.task_type for t in tasks), len(tasks), Counter()
+        for k, t in enumerate(tasks, 1):
+            seen[t.task_type] += 1
+            assert all(abs(seen[g] - k * total[g] / n) <= 1 for g in total), (split, k)
+
+
+def test_mixed_order_is_fixed_and_independent_of_the_input_order():
+    from qevolve_cli.envs.base import Task
+
+    tasks = [Task("alfworld", f"alfworld:t{i}", "train", "ab"[i % 3 == 0], {}) for i in range(30)]
+    out = mixed_order(tasks, key=lambda t: t.task_type)
+    assert [t.task_id for t in mixed_order(tasks[::-1], key=lambda t: t.task_type)] == [t.task_id for t in out]
+    assert sorted(t.task_id for t in out) == sorted(t.task_id for t in tasks)
+    # pinned: the order is part of the runs' identity (a change must rename TASK_ORDER's "mixed-1")
+    assert [t.task_id for t in list_tasks("textcraft", "train", limit=3)] == \
+        ["textcraft:andesite", "textcraft:polished_blackstone_brick_wall", "textcraft:dark_oak_pressure_plate"]
+    assert TASK_ORDER == {"alfworld": "mixed-1", "textcraft": "mixed-1"}
+
+
+def test_other_environments_keep_their_files_order():
+    from qevolve_cli.envs.splits import _load
+
+    assert [t.task_id for t in list_tasks("sciworld", "train")] == \
+        [f"sciworld:{n}:{int(v)}" for n, v in _load("sciworld", "train_indices.json")]
+    assert task_order_tag("sciworld", 10) is None and task_order_tag("lamps", 10) is None
+
+
+def test_a_first_n_of_a_mixed_split_is_part_of_the_stage_hash(monkeypatch):
+    """A run made while the files' order held (another first N) must not resume as if it had these tasks; runs
+    that use a whole split, and every other environment, keep their hashes."""
+    from qevolve_cli.evolve.config import EvolveConfig
+    from qevolve_cli.evolve.loop import _expert_hash, _h
+    from qevolve_cli.rollout.config import RolloutConfig
+
+    assert task_order_tag("textcraft", 60) == "mixed-1" and task_order_tag("textcraft", 0) is None
+    cases = [(env, n) for env in ("lamps", "sciworld", "textcraft", "alfworld") for n in (0, 60)]
+    hashes = {c: RolloutConfig(env=c[0], max_tasks=c[1]).hash() for c in cases}
+    monkeypatch.setattr(RolloutConfig, "hash_extra", lambda self: {})  # the fields alone, as before
+    for env, n in cases:
+        changed = env in TASK_ORDER and n > 0
+        assert (hashes[(env, n)] != RolloutConfig(env=env, max_tasks=n).hash()) == changed, (env, n)
+        assert (_expert_hash(EvolveConfig(env=env, expert_limit=n)) != _h(env, n)) == changed, (env, n)

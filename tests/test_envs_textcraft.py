@@ -6,9 +6,11 @@ import re
 import yaml
 
 from qevolve_cli import react
-from qevolve_cli.envs import MAX_STEPS, act, list_tasks, make_env
+from qevolve_cli.envs import MAX_STEPS, act, list_tasks, make_env, task_from_id
 from qevolve_cli.envs.expert import expert_output
 from tests.conftest import ROOT
+
+ACACIA_BOAT = task_from_id("textcraft", "textcraft:acacia_boat", "train")  # the tests below craft with acacia
 
 
 def patterns(env: str) -> list[str]:
@@ -50,7 +52,7 @@ def test_reset_is_deterministic_and_names_goal():
 
 def test_invalid_actions_match_label_patterns_and_valid_ones_do_not():
     env = make_env("textcraft")
-    env.reset(list_tasks("textcraft", "train")[0])
+    env.reset(ACACIA_BOAT)
     bad = [env.step(c)[0] for c in ("jump around", "get 2 stick", "craft 1 stick using 2 air", "get 1 diamond sword")]
     assert all(is_invalid("textcraft", o) for o in bad), bad
     good = [env.step(c)[0] for c in ("get 1 acacia logs", "inventory")]
@@ -63,7 +65,7 @@ def test_wrong_count_craft_is_invalid_and_prints_nothing(capfd):
     """The textcraft package prints "Wrong Item Count for: ..." on stdout; the adapter keeps it off
     (stdout carries --json output) and the step still fails as the package decides."""
     env = make_env("textcraft")
-    obs = env.reset(list_tasks("textcraft", "train")[0])
+    obs = env.reset(ACACIA_BOAT)
     assert "craft 4 acacia planks using 1 acacia logs" in obs
     assert env.step("get 2 acacia logs")[0] == "Got 2 acacia logs"
     capfd.readouterr()
@@ -76,7 +78,7 @@ def test_wrong_count_craft_is_invalid_and_prints_nothing(capfd):
 
 def test_format_error_does_not_step_and_step_limit_truncates():
     env = make_env("textcraft", max_steps=3)
-    env.reset(list_tasks("textcraft", "train")[0])
+    env.reset(ACACIA_BOAT)
     r1 = act(env, "Action: get 1 acacia logs")
     r2 = act(env, "I forgot the marker")  # format error: env not stepped
     assert r2.command is None and r2.observation == react.FORMAT_ERROR_OBSERVATION and not r2.done

@@ -14,6 +14,10 @@ Stable task ids: ``sciworld:<task_name>:<variation>``, ``alfworld:<folder>/<game
 (folder = train / valid_seen / valid_unseen), ``webshop:<session_id>``,
 ``textcraft:<item>``. TextCraft splits are built by ``textcraft.build_splits`` (see there).
 
+Task order: :func:`list_tasks` returns every split in a fixed order, and ``limit`` takes its first N. The ALFWorld
+and TextCraft files are sorted (by task type, alphabetically), so their tasks come in a fixed *mixed* order
+(:func:`mixed_order`): the first N of a split are a sample of it, not its first task type or letter.
+
 Known properties of the published ETO files, kept as published: SciWorld train and
 dev (test_seen) share 54 ``[task, variation]`` pairs; WebShop train lists 1824 ids of
 which 1823 are distinct (we drop the repeat) and 21 also appear in test.
@@ -21,6 +25,7 @@ which 1823 are distinct (we drop the repeat) and 21 also appear in test.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
 import json
 import os
@@ -59,6 +64,36 @@ def sciworld_max_steps() -> dict[str, int]:
     return dict(_load("sciworld", "max_steps.json"))
 
 
+TASK_ORDER = {"alfworld": "mixed-1", "textcraft": "mixed-1"}
+"""Environments whose tasks :func:`list_tasks` reorders (:func:`mixed_order`), and the name of that order. A stage
+that uses a split's first N puts the name in its configuration hash (:func:`task_order_tag`), so a run made with the
+files' sorted order (before 2026-12) is not resumed with other tasks."""
+
+
+def task_order_tag(env: str, limit: int | None) -> str | None:
+    """The name of ``env``'s task order when the first ``limit`` tasks depend on it (else None: the whole split)."""
+    return TASK_ORDER.get(env) if limit else None
+
+
+def _rank(task_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:8], "big")
+
+
+def mixed_order(tasks: list[Task], key=None) -> list[Task]:
+    """``tasks`` in a fixed order that does not depend on the file's: within each group of ``key`` (a task's type)
+    the tasks are ordered by a hash of their id, and the groups are interleaved in proportion to their sizes (the
+    ``i``-th of a group of ``n`` sits at ``(i + 0.5) / n``), so every prefix holds each group at its share of the
+    split, up to one task. Same on every machine and Python version (sha256, no ``hash()``)."""
+    groups: dict = {}
+    for t in tasks:
+        groups.setdefault(key(t) if key else None, []).append(t)
+    placed = []
+    for g in groups.values():
+        g = sorted(g, key=lambda t: (_rank(t.task_id), t.task_id))
+        placed += [((i + 0.5) / len(g), _rank(t.task_id), t.task_id, t) for i, t in enumerate(g)]
+    return [p[-1] for p in sorted(placed, key=lambda p: p[:3])]
+
+
 def alfworld_task_type(game: str) -> str:
     """``train/pick_heat_then_place_in_recep-Apple-None-GarbageCan-10/trial_...`` -> ``pick_heat_then_place_in_recep``."""
     parts = game.split("/")
@@ -67,7 +102,8 @@ def alfworld_task_type(game: str) -> str:
 
 
 def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
-    """Tasks of ``env``'s ``split`` in a fixed order (first ``limit`` when given)."""
+    """Tasks of ``env``'s ``split`` in a fixed order (first ``limit`` when given; ALFWorld and TextCraft in
+    :func:`mixed_order`, so that a first N is a sample of the split)."""
     if env not in SPLITS_BY_ENV:
         raise QevolveError(f"unknown environment {env!r} (known: {', '.join(SPLITS_BY_ENV)})")
     if split not in SPLITS_BY_ENV[env]:
@@ -86,6 +122,7 @@ def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
     elif env == "alfworld":
         games = _load("alfworld", f"{split}.json")
         tasks = [Task("alfworld", f"alfworld:{g}", split, alfworld_task_type(g), {"game": g}) for g in games]
+        tasks = mixed_order(tasks, key=lambda t: t.task_type)
     elif env == "webshop":
         ids = list(dict.fromkeys(_load("webshop", _WEBSHOP_FILES[split])))  # train lists one id twice
         tasks = [Task("webshop", f"webshop:{int(i)}", split, None, {"session": int(i)}) for i in ids]
@@ -96,7 +133,7 @@ def list_tasks(env: str, split: str, limit: int | None = None) -> list[Task]:
     else:
         from qevolve_cli.envs.textcraft import list_goal_tasks
 
-        tasks = list_goal_tasks(split, list(_load("textcraft", f"{split}.json")))
+        tasks = mixed_order(list_goal_tasks(split, list(_load("textcraft", f"{split}.json"))))
     return tasks if limit is None else tasks[:limit]
 
 

@@ -272,7 +272,7 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
                     "replay_success_rate": stats.get("success_rate")}
 
         run.run_stage("expert", collect, inputs=[], outputs=["expert.parquet"],
-                      config_hash=_h(cfg.env, cfg.expert_limit), iteration=0, echo=echo)
+                      config_hash=_expert_hash(cfg), iteration=0, echo=echo)
 
     # ---- BC warm-up
     if not cfg.start_policy:
@@ -480,6 +480,15 @@ def _evaluate(cfg: EvolveConfig, run: RunDir, k: int, policy: str, echo, quiet: 
         out[split] = run.run_stage(name, ev, inputs=[str(policy)], outputs=[f"{name}.parquet"],
                                    config_hash=e_cfg.hash(), iteration=k, echo=echo)
     return out
+
+
+def _expert_hash(cfg) -> str:
+    """The expert stage's hash: the environment and the number of train tasks demonstrated, and with a limit on
+    ALFWorld and TextCraft the name of their task order (which first N; envs/splits.py, TASK_ORDER)."""
+    from qevolve_cli.envs.splits import task_order_tag
+
+    tag = task_order_tag(cfg.env, cfg.expert_limit)
+    return _h(cfg.env, cfg.expert_limit, *([tag] if tag else []))
 
 
 def _h(*parts: Any) -> str:

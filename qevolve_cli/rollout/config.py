@@ -12,6 +12,7 @@ the greedy reading. Evaluation is greedy (``eval_temperature: 0``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from qevolve_cli.config import ConfigBase, field
 from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of environments
@@ -25,7 +26,8 @@ class RolloutConfig(ConfigBase):
     env: str = field("textcraft", help="Environment.", choices=ENVS)
     split: str = field("train", help="Task split.", choices=SPLITS)
     n_per_task: int = field(3, help="Trajectories per task (paper: 3).", ge=1)
-    max_tasks: int = field(0, help="Use only the first N tasks of the split (0 = all).", ge=0)
+    max_tasks: int = field(0, help="Use only the first N tasks of the split (0 = all; ALFWorld and TextCraft "
+                           "tasks come in a fixed mixed order, so N is a sample of the split).", ge=0)
     temperature: float = field(1.0, help="Sampling temperature for rollouts (0 = greedy; paper table: 2.0, "
                                "paper Limitations: greedy; see docs/rollout.md).", ge=0.0)
     top_p: float = field(1.0, help="Nucleus sampling mass (1 = off).", gt=0.0, le=1.0)
@@ -63,6 +65,12 @@ class RolloutConfig(ConfigBase):
     candidate_temperature: float = field(1.0, help="Temperature of the reranking candidates.", ge=0.0)
     shard: str = field("", help="Play only shard I/N (0-based) of the run's (task, sample) pairs: a contiguous "
                        "block, with the trajectory ids and seeds of the unsharded run (\"\" = all; docs/rollout.md).")
+
+    def hash_extra(self) -> dict[str, Any]:
+        from qevolve_cli.envs.splits import task_order_tag
+
+        tag = task_order_tag(self.env, self.max_tasks)  # which first N tasks (ALFWorld, TextCraft: a mixed order)
+        return {"task_order": tag} if tag else {}
 
     def validate(self, source=None, prefix: str = "") -> None:
         if self.backend == "openai" and not self.base_url:

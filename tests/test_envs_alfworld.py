@@ -156,10 +156,13 @@ def test_memo_cleared_by_another_env_mid_game_changes_nothing():
 _TRACE_SCRIPT = r"""
 import json, sys
 OUT = sys.argv[1]  # fast_downward's translator rewrites sys.argv
-from qevolve_cli.envs import act, list_tasks, make_env
+from qevolve_cli.envs import act, make_env, task_from_id
 from qevolve_cli.envs.expert import expert_output
-train, unseen = list_tasks("alfworld", "train"), list_tasks("alfworld", "test_unseen")
 plans = {}
+# two gt_traj games (train) and one the planner solves (test_unseen)
+clock = task_from_id("alfworld", "alfworld:train/look_at_obj_in_light-AlarmClock-None-DeskLamp-328/trial_T20190908_212905_950861", "train")
+spoon = task_from_id("alfworld", "alfworld:train/pick_clean_then_place_in_recep-Spoon-None-DiningTable-18/trial_T20190909_102022_120766", "train")
+book = task_from_id("alfworld", "alfworld:valid_unseen/look_at_obj_in_light-Book-None-DeskLamp-308/trial_T20190908_020029_636862", "test_unseen")
 
 def trace(env, task, with_expert):
     out = [env.reset(task, with_expert=with_expert, max_steps=200), env.instruction]
@@ -176,8 +179,7 @@ def trace(env, task, with_expert):
     return out
 
 env = make_env("alfworld")
-games = [(train[40], True), (train[40], False), (unseen[3], True), (train[1700], True), (train[40], False),
-         (unseen[3], False), (train[40], True)]
+games = [(clock, True), (clock, False), (book, True), (spoon, True), (clock, False), (book, False), (clock, True)]
 res = [trace(env, t, we) for t, we in games]
 from qevolve_cli.envs import alfworld
 with open(OUT, "w") as f:

@@ -89,8 +89,8 @@ def mixed_order(tasks: list[Task], key=None) -> list[Task]:
         groups.setdefault(key(t) if key else None, []).append(t)
     placed = []
     for g in groups.values():
-        g = sorted(g, key=lambda t: (_rank(t.task_id), t.task_id))
-        placed += [((i + 0.5) / len(g), _rank(t.task_id), t.task_id, t) for i, t in enumerate(g)]
+        ranked = sorted(((_rank(t.task_id), t.task_id, t) for t in g), key=lambda r: r[:2])  # one sha256 a task
+        placed += [((i + 0.5) / len(ranked), *r) for i, r in enumerate(ranked)]
     return [p[-1] for p in sorted(placed, key=lambda p: p[:3])]
 
 

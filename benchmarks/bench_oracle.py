@@ -59,8 +59,13 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
         --refs rft_full learned                                                    # other reference columns
 
 Each arm's work goes to RUN/oracle/<arm>/ and is skipped when its evaluations exist (re-run to resume).
-Prints one JSON object: per run and arm the success rate per split and their mean, per arm the mean
-and standard error over the runs, and per run (where both were labelled) `credit`: how much of the learned
+Held out means every task of the held-out splits pooled, each task counted once (`test_seen` 48 + `test_unseen`
+96 = 144 tasks on lamps-hard / lamps-habit), as bench_compare.py and `qevolve compare` count it
+(docs/results.md, "Held out"); before this definition the `mean` was the two split means averaged (48 and 96
+tasks weighted equally), which the dated figures in docs/notebook/ say where they use it.
+
+Prints one JSON object: per run and arm the success rate and number of tasks per split and the pooled `mean`,
+per arm the mean and standard error over the runs (pooled and per split), and per run (where both were labelled) `credit`: how much of the learned
 critic's advantages is credit to steps rather than to outcomes, against the exact ones (credit_stats).
 """
 from __future__ import annotations
@@ -317,8 +322,29 @@ def validation_metrics(run: Path, policy: Path, out: Path) -> dict:
     return run_eval(validation_config(cfg, 1), policy, out, resume=True, tasks=tasks)
 
 
-def evaluate(run: Path, env: str, policy: Path, work: Path, splits: list[str]) -> dict:
-    scores = {}
+def split_result(js: Path, table: Path, count: bool = True) -> tuple[float, int | None]:
+    """(success rate, number of tasks) of one split's evaluation: its metrics JSON, the task count from the JSON's
+    ``n_tasks`` (else ``n``), else from the evaluation table; no count (None) without ``count``."""
+    m = json.loads(js.read_text())
+    n = m.get("n_tasks", m.get("n"))
+    if n is None:
+        if not count:
+            return float(m.get("success_rate", m.get("avg_reward", 0.0))), None
+        from qevolve_cli.evolve.compare_table import per_task_rewards
+
+        n = len(per_task_rewards(table))
+    return float(m.get("success_rate", m.get("avg_reward", 0.0))), int(n)
+
+
+def pooled(scores: dict[str, float], tasks: dict[str, int]) -> float:
+    """The held-out mean: every task of the splits counted once (each split's success weighted by its tasks)."""
+    n = sum(tasks.values())
+    return sum(scores[s] * tasks[s] for s in scores) / n if n else 0.0
+
+
+def evaluate(run: Path, env: str, policy: Path, work: Path, splits: list[str]) -> tuple[dict, dict]:
+    """(success per split, tasks per split) of ``policy``, evaluated where not yet done."""
+    scores, tasks = {}, {}
     for split in splits:
         out = work / f"eval_{split}.parquet"
         js = work / f"eval_{split}.json"
@@ -326,9 +352,8 @@ def evaluate(run: Path, env: str, policy: Path, work: Path, splits: list[str]) -
             js.write_text(json.dumps(validation_metrics(run, policy, out)) if split == VALIDATION else
                           qevolve("eval", "--env", env, "--policy", policy, "--split", split, "--config",
                                   run / "stages" / "rollout_1.yaml", "--max-tasks", "0", "--out", out, "--json"))
-        m = json.loads(js.read_text())
-        scores[split] = float(m.get("success_rate", m.get("avg_reward", 0.0)))
-    return scores
+        scores[split], tasks[split] = split_result(js, out)
+    return scores, tasks
 
 
 def advantage_stats(path: Path) -> dict:
@@ -381,16 +406,21 @@ def run_credit(run: Path) -> dict:
     return {x: credit_stats(f, exact) for x in CREDIT_SOURCES if (f := run / "oracle" / x / "advantages.parquet").exists()}
 
 
-def read_scores(work: Path, splits: list[str]) -> dict | None:
-    """The arm's evaluations if all exist (report-only mode), else None."""
-    scores = {}
+def read_scores(work: Path, splits: list[str], with_tasks: bool = False):
+    """The arm's success per split if all its evaluations exist (report-only mode), else None; with
+    ``with_tasks``, (success per split, tasks per split)."""
+    scores, tasks = {}, {}
     for split in splits:
         js = work / f"eval_{split}.json"
         if not js.exists():
             return None
-        m = json.loads(js.read_text())
-        scores[split] = float(m.get("success_rate", m.get("avg_reward", 0.0)))
-    return scores
+        scores[split], tasks[split] = split_result(js, work / f"eval_{split}.parquet", count=with_tasks)
+    return (scores, tasks) if with_tasks else scores
+
+
+def arm_result(scores: dict, tasks: dict) -> dict:
+    """One arm of one run: success and tasks per split, and the held-out ``mean`` pooled over the tasks."""
+    return {"scores": scores, "tasks": tasks, "mean": pooled(scores, tasks)}
 
 
 def run_arms(run: Path, arms: list[str], splits: list[str], report_only: bool = False) -> dict:
@@ -401,16 +431,15 @@ def run_arms(run: Path, arms: list[str], splits: list[str], report_only: bool = 
     for arm in arms:
         work = run / "oracle" / arm
         if report_only:
-            scores = read_scores(work, splits)
-            if scores is not None:
-                out[arm] = {"scores": scores, "mean": sum(scores.values()) / len(scores),
+            got = read_scores(work, splits, with_tasks=True)
+            if got is not None:
+                out[arm] = {**arm_result(*got),
                             "advantages": advantage_stats(work.parent / split_arm(arm)[0] / "advantages.parquet")}
             continue
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         policy = train(run, arm, work)
-        scores = evaluate(run, env, policy, work, splits)
-        out[arm] = {"scores": scores, "mean": sum(scores.values()) / len(scores),
+        out[arm] = {**arm_result(*evaluate(run, env, policy, work, splits)),
                     "advantages": advantage_stats(work.parent / split_arm(arm)[0] / "advantages.parquet"),
                     "seconds": round(time.perf_counter() - t0, 1)}
         print(f"{run.name} {arm}: {json.dumps(out[arm]['scores'])}", file=sys.stderr, flush=True)
@@ -430,8 +459,8 @@ def choose(per_run: dict, runs: dict[str, Path], name: str, candidates: list[str
 
 
 def task_diffs(work_a: Path, work_b: Path, splits: list[str]) -> list[float]:
-    """Per held-out task, arm A minus arm B (final reward), weighted so that their mean is the mean over the
-    splits of each split's mean difference (the `mean` column: every split counts equally)."""
+    """Per held-out task, arm A minus arm B (final reward), the splits' tasks one after the other, each task
+    counted once: their mean is the difference of the pooled `mean` column."""
     from qevolve_cli.evolve.compare_table import per_task_rewards
 
     out: list[float] = []
@@ -440,16 +469,16 @@ def task_diffs(work_a: Path, work_b: Path, splits: list[str]) -> list[float]:
         b = per_task_rewards(work_b / f"eval_{split}.parquet")
         if set(a) != set(b):
             raise SystemExit(f"bench_oracle: {work_a} and {work_b} were evaluated on different {split} tasks")
-        out += [(a[t] - b[t]) / (len(splits) * len(a)) for t in sorted(a)]
-    n = len(out)
-    return [d * n for d in out]
+        out += [a[t] - b[t] for t in sorted(a)]
+    return out
 
 
 def summarise(per_run: dict, arms: list[str], runs: dict[str, Path], splits: list[str],
               refs: tuple[str, ...] = ("rft_bc", "rft_full", "sft"), n_boot: int = 10000) -> dict:
-    """Per arm: mean and standard error over the runs of the mean of the splits' success, and the paired
-    difference to each reference arm with its two-level bootstrap 95 % interval (runs, then each drawn run's
-    tasks, resampled with replacement: compare_table.paired_bootstrap, as bench_compare.py)."""
+    """Per arm: mean and standard error over the runs of the held-out success (every task of the splits pooled,
+    each counted once), the same per split (``splits``), and the paired difference to each reference arm with its
+    two-level bootstrap 95 % interval (runs, then each drawn run's tasks, resampled with replacement:
+    compare_table.paired_bootstrap, as bench_compare.py)."""
     from qevolve_cli.evolve.compare_table import mean_se, paired_bootstrap
 
     summary = {}
@@ -460,6 +489,9 @@ def summarise(per_run: dict, arms: list[str], runs: dict[str, Path], splits: lis
         m, se = mean_se(xs)
         row = {"mean": round(100 * m, 1), "se": round(100 * se, 1), "n": len(xs),
                "per_run": {r: round(100 * per_run[r][arm]["mean"], 1) for r in per_run if arm in per_run[r]}}
+        for split in splits:
+            s_m, s_se = mean_se([per_run[r][arm]["scores"][split] for r in per_run if arm in per_run[r]])
+            row.setdefault("splits", {})[split] = {"mean": round(100 * s_m, 1), "se": round(100 * s_se, 1)}
         for ref in refs:
             if ref == arm:
                 continue
@@ -477,19 +509,24 @@ def summarise(per_run: dict, arms: list[str], runs: dict[str, Path], splits: lis
 
 
 def markdown(summary: dict, runs: list[str], refs: tuple[str, ...] = ("rft_bc", "rft_full", "sft")) -> str:
-    """Per arm: the runs' values, mean ± s.e., and per reference arm the paired difference [95 % interval]
-    with the number of runs on which the arm was above it."""
-    head = "| arm | " + " | ".join(runs) + " | mean ± se | " + " | ".join(f"− {r} [95 % CI] (wins)" for r in refs) + " |"
-    lines = [head, "|" + "---|" * (len(runs) + 2 + len(refs))]
+    """Per arm: the runs' held-out values (pooled over the tasks), mean ± s.e., each split's mean ± s.e. (when
+    there are several), and per reference arm the paired difference [95 % interval] with the number of runs on
+    which the arm was above it."""
+    splits = list(next(iter(summary.values()), {}).get("splits", {}))
+    splits = splits if len(splits) > 1 else []
+    head = ("| arm | " + " | ".join(runs) + " | held out, mean ± se | " + "".join(f"{s} | " for s in splits)
+            + " | ".join(f"− {r} [95 % CI] (wins)" for r in refs) + " |")
+    lines = [head, "|" + "---|" * (len(runs) + 2 + len(splits) + len(refs))]
     for arm, r in summary.items():
         cells = [f"{r['per_run'][x]:.1f}" if x in r["per_run"] else "–" for x in runs]
+        cells += [f"{r['mean']:.1f} ± {r['se']:.1f}"] + [f"{r['splits'][s]['mean']:.1f} ± {r['splits'][s]['se']:.1f}"
+                                                         for s in splits]
         diffs = []
         for ref in refs:
             d = r.get(f"minus_{ref}")
             diffs.append(f"{d['mean']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}] ({d['wins']}/{d['n']})"
                          if d else "–")
-        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {r['mean']:.1f} ± {r['se']:.1f} | " + " | ".join(diffs)
-                     + " |")
+        lines.append(f"| {arm} | " + " | ".join(cells + diffs) + " |")
     return "\n".join(lines)
 
 
@@ -512,7 +549,7 @@ def main() -> None:
     a = ap.parse_args()
     if VALIDATION in a.splits and len(a.splits) > 1:  # the mean column would mix a selection score into a result
         ap.error(f"--splits: {VALIDATION} is reported on its own (a separate call): its score chooses between arms, "
-                 "the held-out splits' mean reports them")
+                 "the held-out tasks pooled report them")
     chosen = {}
     for spec in a.choose:
         name, _, cands = spec.partition("=")

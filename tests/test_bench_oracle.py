@@ -153,3 +153,64 @@ def test_learned_trajmean_gives_every_step_its_trajectorys_mean(bench, tmp_path)
     assert out["advantage"].to_list() == [means[t] for t in src["traj_id"]] == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert out.drop("advantage").equals(src.drop("advantage"))
     assert pl.read_parquet(run / "iter_1" / "advantages.parquet").equals(src)
+
+
+def _eval(work: Path, split: str, outcomes: dict[str, float], with_n: bool = True) -> None:
+    """An arm's evaluation of one split: the eval table (one greedy trajectory per task) and its metrics JSON."""
+    import json
+
+    import polars as pl
+
+    work.mkdir(parents=True, exist_ok=True)
+    pl.DataFrame({"traj_id": [f"{split}-{t}" for t in outcomes], "task_id": list(outcomes), "step": [0] * len(outcomes),
+                  "reward_env": list(outcomes.values())}).write_parquet(work / f"eval_{split}.parquet")
+    m = {"success_rate": sum(outcomes.values()) / len(outcomes), "n": len(outcomes)}
+    if with_n:
+        m["n_tasks"] = len(outcomes)
+    else:
+        m.pop("n")
+    (work / f"eval_{split}.json").write_text(json.dumps(m))
+
+
+def test_held_out_pools_every_task_once_and_keeps_the_splits(bench, tmp_path):
+    """docs/results.md, "Held out": an arm's `mean` pools the tasks of both splits (a 2-task and a 4-task split:
+    each task weighs 1/6, not the splits 1/2 each), the per-split success and task counts stay in the output and
+    the summary, and the paired difference's mean is the difference of the pooled means (each task once)."""
+    splits = ["test_seen", "test_unseen"]
+    seen = {"r0": {"a": [1, 1], "b": [0, 1]}, "r1": {"a": [1, 0], "b": [0, 0]}}
+    unseen = {"r0": {"a": [0, 0, 0, 1], "b": [0, 0, 1, 1]}, "r1": {"a": [1, 1, 1, 1], "b": [0, 1, 1, 1]}}
+    runs = {}
+    for r in seen:
+        runs[r] = tmp_path / r
+        runs[r].mkdir()
+        (runs[r] / "config.yaml").write_text("env: lamps-habit\n")
+        for arm in ("a", "b"):
+            work = runs[r] / "oracle" / arm
+            _eval(work, "test_seen", {f"s{i}": float(x) for i, x in enumerate(seen[r][arm])}, with_n=(r == "r0"))
+            _eval(work, "test_unseen", {f"u{i}": float(x) for i, x in enumerate(unseen[r][arm])})
+    per_run = {r: bench.run_arms(p, ["a", "b"], splits, report_only=True) for r, p in runs.items()}
+    a0 = per_run["r0"]["a"]
+    assert a0["tasks"] == {"test_seen": 2, "test_unseen": 4}  # r1's seen JSON has no count: read from its table
+    assert per_run["r1"]["a"]["tasks"] == {"test_seen": 2, "test_unseen": 4}
+    assert a0["scores"] == {"test_seen": 1.0, "test_unseen": 0.25}
+    assert a0["mean"] == pytest.approx(3 / 6)  # pooled; the split means averaged would be 0.625
+    pooled = {r: {arm: (sum(seen[r][arm]) + sum(unseen[r][arm])) / 6 for arm in ("a", "b")} for r in seen}
+    for r in seen:
+        for arm in ("a", "b"):
+            assert per_run[r][arm]["mean"] == pytest.approx(pooled[r][arm])
+
+    diffs = bench.task_diffs(runs["r0"] / "oracle" / "a", runs["r0"] / "oracle" / "b", splits)
+    assert diffs == [1.0, 0.0, 0.0, 0.0, -1.0, 0.0]  # every task once, unweighted
+    s = bench.summarise(per_run, ["a", "b"], runs, splits, refs=("b",), n_boot=200)
+    want = (pooled["r0"]["a"] + pooled["r1"]["a"]) / 2
+    assert s["a"]["mean"] == round(100 * want, 1) and s["a"]["per_run"] == {r: round(100 * pooled[r]["a"], 1)
+                                                                             for r in seen}
+    assert s["a"]["splits"] == {"test_seen": {"mean": 75.0, "se": 25.0}, "test_unseen": {"mean": 62.5, "se": 37.5}}
+    d = s["a"]["minus_b"]
+    gap = sum(pooled[r]["a"] - pooled[r]["b"] for r in seen) / 2
+    # r0 is a tie pooled (3/6 each; its split means averaged, 0.625 against 0.5, would make it a win)
+    assert d["mean"] == round(100 * gap, 1) and d["n"] == 2 and d["wins"] == 1
+    md = bench.markdown(s, ["r0", "r1"], refs=("b",))
+    head, _, row_a, _ = md.splitlines()
+    assert head == "| arm | r0 | r1 | held out, mean ± se | test_seen | test_unseen | − b [95 % CI] (wins) |"
+    assert row_a.startswith("| a | 50.0 | 83.3 | 66.7 ± 16.7 | 75.0 ± 25.0 | 62.5 ± 37.5 | +16.7 [")

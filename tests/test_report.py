@@ -172,3 +172,95 @@ def test_a_stage_killed_with_its_process_counts_to_its_last_heartbeat(tmp_path):
     t = stage_times(run)
     assert t["rows"][0]["name"] == "iter 1" and t["rows"][0]["critic"] == pytest.approx(st["seconds_total"], abs=0.1)
     assert t["unfinished"] == [] and t["resumed"] == ["iter_1/critic"]
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _plot_run(tmp_path):
+    """A run of BC and two iterations, evaluated on two splits (36 and 59 tasks), with each iteration's critic
+    diagnostics on 24 held-out trajectories and 7 epochs of held-out curves: few points, where matplotlib's own
+    locator puts ticks at 0.25 or 2.5."""
+    run = tmp_path / "plotrun"
+    done = {"status": "done", "attempts": 1, "seconds": 1.0}
+    stages = {}
+    for k in range(3):
+        for split, n in (("test_seen", 36), ("test_unseen", 59)):
+            stages[f"iter_{k}/eval_{split}"] = {**done, "iteration": k, "metrics": {
+                "avg_reward": 0.1 * (k + 1), "success_rate": 0.05 * (k + 1), "n": n}}
+        if k:
+            stages[f"iter_{k}/rollout"] = {**done, "iteration": k, "metrics": {"env_steps": 100 * k}}
+    _write(run / "manifest.json", stages)
+    for k in (1, 2):
+        crit = run / f"iter_{k}" / "critic"
+        crit.mkdir(parents=True)
+        diag = {"on": "heldout", "trajectories": 24, "steps": 310, "n_success": 8, "n_failed": 16,
+                "bellman_q": 0.01, "ev_return": 0.3, "auc_v": 0.8, "auc_v0": 0.7, "v_std": 0.1,
+                "v_by_step": {"success": [0.5, 0.6, 0.7, None], "failed": [0.4, 0.35, 0.3, 0.2]},
+                "calibration": [{"v": 0.2 + 0.1 * i, "ret": 0.05 * i, "n": 31} for i in range(10)]}
+        (crit / "diagnostics.json").write_text(json.dumps(diag))
+        (crit / "metrics.jsonl").write_text("".join(
+            json.dumps({"epoch": e, "loss_q": 1.0 / e, "heldout": {"ev_return": 0.05 * e, "auc_v": 0.6 + 0.02 * e,
+                                                                   "bellman_q": 0.1 / e}}) + "\n"
+            for e in range(1, 8)))
+    return run
+
+
+def _whole(ticks) -> bool:
+    return all(float(t) == int(t) for t in ticks)
+
+
+def test_plots_have_whole_number_count_axes_and_say_what_they_show(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from qevolve_cli.evolve.report import (
+        _heldout_curves,
+        critic_diagnostics,
+        diagnostics_figure,
+        score_rows,
+        scores_figure,
+    )
+
+    run = _plot_run(tmp_path)
+    rows, splits = score_rows(run)
+    fig = scores_figure(run, rows, splits)
+    try:
+        axes = fig.axes
+        assert [a.get_title() for a in axes] == ["test_seen (36 tasks)", "test_unseen (59 tasks)"]
+        for a in axes:
+            assert list(a.get_xticks()) == [0, 1, 2]
+            assert [t.get_text() for t in a.get_xticklabels()] == ["0 (BC)", "1", "2"]
+            assert a.get_xlabel() == "iteration (0 = BC)"
+            assert [t.get_text() for t in a.get_legend().get_texts()] == ["average reward", "success rate"]
+    finally:
+        plt.close(fig)
+
+    fig = diagnostics_figure(critic_diagnostics(run), _heldout_curves(run))
+    try:
+        fig.canvas.draw()  # the locators place their ticks at draw time
+        axes = fig.axes
+        assert len(axes) == 6  # two iterations x (per epoch, along the steps, calibration)
+        data = "on 24 held-out trajectories (train split; 8 succeeded, 16 failed)"
+        for row, k in ((axes[0:3], 1), (axes[3:6], 2)):
+            epochs, steps, cal = row
+            assert epochs.get_title() == f"iteration {k}: critic per epoch\n{data}"
+            assert steps.get_title() == f"iteration {k}: mean V(s_t) at step t\n{data}"
+            assert cal.get_title() == (f"iteration {k}: V vs. discounted return: above the diagonal = V overestimates\n"
+                                       f"{data}, 310 steps")
+            assert (epochs.get_xlabel(), steps.get_xlabel()) == ("epoch", "step t")
+            for a in (epochs, steps):
+                lo, hi = a.get_xlim()
+                shown = [t for t in a.get_xticks() if lo <= t <= hi]
+                assert len(shown) >= 2 and _whole(shown), (a.get_title(), shown)
+            assert [t.get_text() for t in steps.get_legend().get_texts()] == ["success trajectories (8)",
+                                                                              "failed trajectories (16)"]
+            # V on the y axis, the return on the x axis: the decile points lie above the diagonal here
+            assert cal.get_ylabel().startswith("V(s_t)") and cal.get_xlabel().startswith("discounted return")
+            x, y = cal.get_lines()[0].get_data()
+            assert all(v > r for r, v in zip(x, y, strict=True))
+    finally:
+        plt.close(fig)
+
+    rep = build_report(run)
+    assert {"report/scores.png", "report/critic_diagnostics.png", "report/critic_losses.png"} <= set(rep["files"])
+    assert (run / "report" / "critic_diagnostics.png").read_bytes()[:4] == b"\x89PNG"

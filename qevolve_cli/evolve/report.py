@@ -63,25 +63,51 @@ def score_rows(run: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, splits
 
 
-def _plot_scores(run: Path, rows, splits, out: Path) -> None:
+def _count_text(ns: list[Any], what: str) -> str:
+    """``"36 tasks"``, or ``"36-40 tasks"`` when the iterations differ, or ``""`` when no count is recorded."""
+    ns = sorted({int(n) for n in ns if n is not None})
+    if not ns:
+        return ""
+    return f"{ns[0]} {what}" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} {what}"
+
+
+def _integer_axis(axis) -> None:
+    """Ticks at whole numbers only (iterations, epochs, steps: no 0.25 or 2.5 on a count axis)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def scores_figure(run: Path, rows, splits):
+    """``scores.png``: one panel per evaluation split, titled with the split and its number of tasks, with the
+    average reward and the success rate (%) per iteration; the x ticks are the iterations (0 = BC)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for s in splits:
-        xs = [r["iteration"] for r in rows if s in r]
-        ax[0].plot(xs, [100 * (r[s]["avg_reward"] or 0) for r in rows if s in r], marker="o", label=s)
-        ax[1].plot(xs, [100 * (r[s]["success_rate"] or 0) for r in rows if s in r], marker="o", label=s)
-    for a, t in zip(ax, ("average reward (%)", "success rate (%)"), strict=True):
-        a.set_xlabel("iteration (0 = BC)")
-        a.set_title(t)
-        a.grid(alpha=0.3)
-        _legend(a, "no evaluations", fontsize=10)
-    fig.suptitle(run.name)
+    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False, sharey=True)
+    iters = [r["iteration"] for r in rows]
+    for ax, s in zip(axes[0], splits, strict=True):
+        have = [r for r in rows if s in r]
+        xs = [r["iteration"] for r in have]
+        ax.plot(xs, [100 * (r[s]["avg_reward"] or 0) for r in have], marker="o", label="average reward")
+        ax.plot(xs, [100 * (r[s]["success_rate"] or 0) for r in have], marker="s", label="success rate")
+        n = _count_text([r[s].get("n") for r in have], "tasks")
+        ax.set_title(f"{s}" + (f" ({n})" if n else ""))
+        ax.set_xticks(iters, [("0 (BC)" if k == 0 else str(k)) for k in iters])
+        ax.set_xlim(min(iters) - 0.3, max(iters) + 0.3)
+        ax.set_xlabel("iteration (0 = BC)")
+        ax.grid(alpha=0.3)
+        _legend(ax, "no evaluations", fontsize=9)
+    axes[0][0].set_ylabel("% of the split's tasks (reward: average final reward)")
+    fig.suptitle(f"{run.name}: held-out evaluation per iteration")
     fig.tight_layout()
-    _save(fig, out)
+    return fig
+
+
+def _plot_scores(run: Path, rows, splits, out: Path) -> None:
+    _save(scores_figure(run, rows, splits), out)
 
 
 DIAG_KEYS = ("bellman_q", "bellman_v", "ev_return", "auc_v", "auc_v0", "v_std", "failed_self_pos_adv")
@@ -125,49 +151,75 @@ def _legend(ax, empty: str, fontsize: int = 7) -> None:
         ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", fontsize=8, color="grey")
 
 
-def _plot_diagnostics(diags: dict[int, dict[str, Any]], curves, out: Path) -> bool:
-    """Per iteration: held-out curves per epoch, V along the steps (success vs failed), calibration of V."""
+def _critic_data_text(d: dict[str, Any]) -> str:
+    """What the critic's diagnostics were computed on and how many trajectories: ``"24 held-out trajectories
+    (train split; 8 succeeded, 16 failed)"``, or the training data when nothing was held out."""
+    n, ns, nf = d.get("trajectories"), d.get("n_success"), d.get("n_failed")
+    what = "held-out" if d.get("on", "heldout") == "heldout" else "training (nothing held out)"
+    text = f"{n} {what} trajectories" if n is not None else f"{what} trajectories"
+    detail = "train split" + (f"; {ns} succeeded, {nf} failed" if ns is not None and nf is not None else "")
+    return f"{text} ({detail})"
+
+
+def diagnostics_figure(diags: dict[int, dict[str, Any]], curves):
+    """``critic_diagnostics.png``, one row per iteration: the held-out curves per epoch, V along the steps
+    (successful vs failed trajectories) and V against the discounted return per V decile; every title names
+    the data (held-out trajectories of the train split) and their number; epochs and steps get integer ticks.
+    None when no iteration has diagnostics."""
     if not diags:
-        return False
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ks = sorted(diags)
-    fig, axes = plt.subplots(len(ks), 3, figsize=(15, 3.6 * len(ks)), squeeze=False)
+    fig, axes = plt.subplots(len(ks), 3, figsize=(16, 4.0 * len(ks)), squeeze=False)
     for row, k in zip(axes, ks, strict=True):
         d, c = diags[k], curves.get(k, {})
+        data = _critic_data_text(d)
         ax = row[0]
         for key in ("ev_return", "auc_v", "bellman_q"):
             ys = c.get(key, [])
             if any(y is not None for y in ys):
                 ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker=".", label=key)
-        ax.set_title(f"iteration {k}: held-out per epoch")
+        ax.set_title(f"iteration {k}: critic per epoch\non {data}", fontsize=9)
         ax.set_xlabel("epoch")
+        _integer_axis(ax.xaxis)
         ax.grid(alpha=0.3)
         _legend(ax, "no held-out trajectories")
         ax = row[1]
-        for name in ("success", "failed"):
+        for name, count in (("success", d.get("n_success")), ("failed", d.get("n_failed"))):
             ys = (d.get("v_by_step") or {}).get(name, [])
-            ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], marker=".", label=f"{name} trajectories")
-        ax.set_title(f"iteration {k}: V(s_t) along the steps ({d.get('on', '')})")
+            label = f"{name} trajectories" + (f" ({count})" if count is not None else "")
+            ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], marker=".", label=label)
+        ax.set_title(f"iteration {k}: mean V(s_t) at step t\non {data}", fontsize=9)
         ax.set_xlabel("step t")
+        _integer_axis(ax.xaxis)
         ax.grid(alpha=0.3)
         _legend(ax, "no trajectories")
         ax = row[2]
         cal = d.get("calibration") or []
         if cal:
-            xs, ys = [b["v"] for b in cal], [b["ret"] for b in cal]
-            ax.plot(xs, ys, marker="o", label="mean return per V decile")
-            lo, hi = min(xs + ys), max(xs + ys)
-            ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--", label="calibrated")
-        ax.set_title(f"iteration {k}: calibration of V")
-        ax.set_xlabel("V(s_t)")
-        ax.set_ylabel("discounted return")
+            vs, rets = [b["v"] for b in cal], [b["ret"] for b in cal]
+            ax.plot(rets, vs, marker="o", label="one point per V decile (mean return, mean V)")
+            lo, hi = min(vs + rets), max(vs + rets)
+            ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--", label="V = return (calibrated)")
+        steps = d.get("steps")
+        ax.set_title(f"iteration {k}: V vs. discounted return: above the diagonal = V overestimates\n"
+                     f"on {data}" + (f", {steps} steps" if steps is not None else ""), fontsize=9)
+        ax.set_xlabel("discounted return (mean per V decile)")
+        ax.set_ylabel("V(s_t) (mean per V decile)")
         ax.grid(alpha=0.3)
         _legend(ax, "no calibration bins")
     fig.tight_layout()
+    return fig
+
+
+def _plot_diagnostics(diags: dict[int, dict[str, Any]], curves, out: Path) -> bool:
+    fig = diagnostics_figure(diags, curves)
+    if fig is None:
+        return False
     _save(fig, out)
     return True
 
@@ -220,8 +272,9 @@ def _plot_critic(curves, out: Path) -> bool:
     for ax, (k, c) in zip(axes[0], sorted(curves.items()), strict=True):
         for key, ys in c.items():
             ax.plot(range(1, len(ys) + 1), ys, marker=".", label=key)
-        ax.set_title(f"critic losses, iteration {k}")
+        ax.set_title(f"critic losses, iteration {k} (training data)")
         ax.set_xlabel("log record (epoch)")
+        _integer_axis(ax.xaxis)
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.grid(alpha=0.3)
         _legend(ax, "no losses logged")

@@ -328,6 +328,126 @@ def test_openai_backend_no_server_is_one_line_error(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+class _KeyedChatServer:
+    """A stdlib OpenAI-compatible /v1/chat/completions server that wants ``Authorization: Bearer KEY`` (as
+    ``vllm serve --api-key KEY`` does): 401 otherwise, with a body that echoes the key it got (as hosted
+    endpoints do: "Incorrect API key provided: ..."). Every answer is one canned ReAct step."""
+
+    def __init__(self, key: str):
+        self.auth: list[str | None] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                got = self.headers.get("Authorization")
+                outer.auth.append(got)
+                if self.path != "/v1/chat/completions":
+                    self.send_error(404)
+                    return
+                if got != f"Bearer {key}":
+                    status, data = 401, {"error": {"message": f"Incorrect API key provided: {got}",
+                                                   "type": "invalid_request_error", "code": "invalid_api_key"}}
+                else:
+                    status, data = 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
+                        {"index": i, "message": {"role": "assistant", "content": "Thought: light it.\nAction: turn on lamp"},
+                         "finish_reason": "stop"} for i in range(body.get("n", 1))]}
+                raw = json.dumps(data).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _files_holding(root: Path, needle: str) -> list[str]:
+    return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file() and needle.encode() in p.read_bytes()]
+
+
+def test_openai_backend_sends_the_key_of_its_variable_and_writes_it_nowhere(tmp_path: Path) -> None:
+    """`rollout --backend openai` against a server that wants a key: with OPENAI_API_KEY (or the variable that
+    --api-key-env names) it plays; with a wrong key or none it stops with one line naming the URL and the
+    variable. The key is in no file the runs wrote (table, config, journal, --json summary), nor in what they
+    printed. HOME and the cache point into the test's directory, so a file written there would be seen too."""
+    import secrets
+
+    key = "sk-qevolve-test-" + secrets.token_hex(12)
+    server = _KeyedChatServer(key)
+    work = tmp_path / "work"
+    (work / "home").mkdir(parents=True)
+    iso = {"HOME": str(work / "home"), "XDG_CACHE_HOME": str(work / "home" / ".cache"),
+           "QEVOLVE_CACHE": str(work / "home" / "qevolve")}
+    base = ["rollout", "--env", "lamps", "--policy", "served-model", "--backend", "openai", "--base-url", server.url,
+            "--split", "train", "--max-tasks", "2", "--n-per-task", "1", "--max-steps", "2", "--workers", "1",
+            "--envs-per-worker", "2", "-q"]
+    printed = []
+    try:
+        ok = run_qevolve(*base, "--out", work / "ok.parquet", "--json", cwd=work, env={**iso, "OPENAI_API_KEY": key})
+        printed.append(ok.stdout + ok.stderr)
+        assert ok.returncode == 0, ok.stderr[-3000:]
+        assert json.loads(ok.stdout)["steps"] == 4 and len(server.auth) == 4  # 2 tasks x 2 steps, one request each
+        assert set(server.auth) == {f"Bearer {key}"}
+        df = pl.read_parquet(work / "ok.parquet")
+        assert set(df["command"]) == {"turn on lamp"}
+        cfg_text = (work / "ok.parquet.config.yaml").read_text()
+        assert "api_key_env: OPENAI_API_KEY" in cfg_text  # the variable's name only
+
+        # another variable, named by the flag (OPENAI_API_KEY unset in the child)
+        env = {k: v for k, v in qevolve_env().items() if k != "OPENAI_API_KEY"}
+        other = run_qevolve(*base, "--api-key-env", "MY_ENDPOINT_KEY", "--out", work / "other.parquet", cwd=work,
+                            env={**env, **iso, "MY_ENDPOINT_KEY": key})
+        printed.append(other.stdout + other.stderr)
+        assert other.returncode == 0, other.stderr[-3000:]
+        assert "api_key_env: MY_ENDPOINT_KEY" in (work / "other.parquet.config.yaml").read_text()
+
+        refused = {}
+        for name, extra in (("wrong", {"OPENAI_API_KEY": key[:-4] + "xxxx"}), ("missing", {"OPENAI_API_KEY": ""})):
+            res = run_qevolve(*base, "--out", work / f"{name}.parquet", cwd=work, env={**iso, **extra})
+            printed.append(res.stdout + res.stderr)
+            assert res.returncode == 2, res.stderr
+            lines = res.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: --base-url "), res.stderr
+            assert f"{server.url}/chat/completions" in lines[0] and "HTTP 401" in lines[0]
+            assert "$OPENAI_API_KEY" in lines[0]
+            assert key[:-4] not in lines[0] and "Incorrect API key" not in lines[0]  # the echoing body is not quoted
+            assert not (work / f"{name}.parquet").exists()
+            refused[name] = lines[0]
+        assert "was refused" in refused["wrong"] and "is not set" in refused["missing"]
+        assert server.auth[-1] is None  # no key, no header
+    finally:
+        server.close()
+    written = sorted(p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file())
+    assert {"ok.parquet", "ok.parquet.config.yaml", "other.parquet", "other.parquet.config.yaml"} <= set(written)
+    assert any(w.startswith("wrong.parquet.partial/") for w in written)  # the refused run's journal, checked too
+    assert _files_holding(work, key) == [] and _files_holding(work, key[:-4]) == [], written
+    assert not any(key[:-4] in text for text in printed)
+
+
+def test_api_key_env_is_a_variable_name_and_the_value_is_never_echoed(tmp_path: Path) -> None:
+    pasted = "sk-" + "0123456789abcdef" * 2  # a key pasted where the variable's name goes
+    res = run_qevolve("rollout", "--env", "lamps", "--policy", "m", "--backend", "openai", "--base-url",
+                      "http://127.0.0.1:9/v1", "--api-key-env", pasted, "--out", tmp_path / "x.parquet", "-q")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --api-key-env: must be the name of an environment variable"), res.stderr
+    assert pasted not in res.stderr + res.stdout and not list(tmp_path.iterdir())
+    shown = run_qevolve("rollout", "--backend", "openai", "--base-url", "http://127.0.0.1:9/v1", "--print-config",
+                        env={"OPENAI_API_KEY": pasted})
+    assert shown.returncode == 0 and "OPENAI_API_KEY" in shown.stdout and pasted not in shown.stdout + shown.stderr
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

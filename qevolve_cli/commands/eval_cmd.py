@@ -19,6 +19,7 @@ from qevolve_cli.commands.common import (
 )
 from qevolve_cli.commands.rollout import (
     AdapterOpt,
+    ApiKeyEnvOpt,
     BackendOpt,
     BaseUrlOpt,
     EnvReqOpt,
@@ -116,6 +117,7 @@ def register(app: typer.Typer) -> None:
         lanes: LanesOpt = None,
         backend: BackendOpt = None,
         base_url: BaseUrlOpt = None,
+        api_key_env: ApiKeyEnvOpt = None,
         critic: Annotated[Path | None, typer.Option("--critic", help="Critic directory: rerank candidates by Q - V.")] = None,
         candidates: Annotated[int | None, typer.Option("--candidates", help="Candidates per step with --critic.")] = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Random seed.")] = None,
@@ -138,7 +140,7 @@ def register(app: typer.Typer) -> None:
                 "env": env, "split": split, "max_tasks": max_tasks,
                 ("temperature" if best_of > 1 else "eval_temperature"): temperature,
                 "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes, "backend": backend, "base_url": base_url,
-                "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
+                "api_key_env": api_key_env, "seed": seed, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "iteration": iteration,
                 "candidates": candidates, "shard": shard, "dtype": precision_dtype(precision),
             }, print_cfg=print_cfg, json_out=json_out, required={"--env": env, "--policy": policy, "--split": split},
                 policy=policy, adapter=adapter, rename={"eval_temperature": "--temperature"})

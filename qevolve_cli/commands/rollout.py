@@ -55,6 +55,9 @@ AdapterOpt = Annotated[Path | None, typer.Option("--adapter", help="PEFT LoRA ad
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="Generation backend: hf, vllm, openai.")]
 BaseUrlOpt = Annotated[str | None, typer.Option("--base-url", help="OpenAI-compatible server, e.g. "
                                                 "http://127.0.0.1:8000/v1 (with --backend openai).")]
+ApiKeyEnvOpt = Annotated[str | None, typer.Option("--api-key-env", metavar="VAR", help="Environment variable that "
+                                                  "holds the server's API key, sent as a Bearer token (with --backend "
+                                                  "openai; default OPENAI_API_KEY; the name, not the key).")]
 # options shared with `qevolve eval`
 MaxTasksOpt = Annotated[int | None, typer.Option("--max-tasks", help="Only the first N tasks of the split.")]
 WorkersOptN = Annotated[int | None, typer.Option("--workers", "-w", help="Environment worker processes.")]
@@ -156,6 +159,7 @@ def register(app: typer.Typer) -> None:
         lanes: LanesOpt = None,
         backend: BackendOpt = None,
         base_url: BaseUrlOpt = None,
+        api_key_env: ApiKeyEnvOpt = None,
         seed: Annotated[int | None, typer.Option("--seed", help="Random seed (same seed -> same table with hf on CPU).")] = None,
         iteration: IterationOpt = None,
         max_new_tokens: MaxNewTokensOpt = None,
@@ -175,7 +179,7 @@ def register(app: typer.Typer) -> None:
             ready = prepare("rollout", config, {
                 "env": env, "split": split, "n_per_task": n_per_task, "temperature": temperature,
                 "max_tasks": max_tasks, "workers": workers, "envs_per_worker": envs_per_worker, "lanes": lanes,
-                "backend": backend, "base_url": base_url, "seed": seed, "iteration": iteration,
+                "backend": backend, "base_url": base_url, "api_key_env": api_key_env, "seed": seed, "iteration": iteration,
                 "max_new_tokens": max_new_tokens, "max_steps": max_steps, "max_context": max_context,
                 "shard": shard, "dtype": precision_dtype(precision),
             }, print_cfg=print_cfg, json_out=json_out, required={"--env": env, "--policy": policy, "--out": out},

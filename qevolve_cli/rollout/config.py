@@ -11,6 +11,7 @@ the greedy reading. Evaluation is greedy (``eval_temperature: 0``).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from qevolve_cli.env_names import ENV_NAMES as ENVS  # noqa: E402 - one list of 
 from qevolve_cli.errors import ConfigError
 
 SPLITS = ("train", "test_seen", "test_unseen", "test")
+ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass
@@ -41,6 +43,9 @@ class RolloutConfig(ConfigBase):
     base_url: str = field("", help="OpenAI-compatible server URL for --backend openai (e.g. http://127.0.0.1:8000/v1).")
     served_model: str = field("", help="Model name sent to the OpenAI-compatible server (default: the policy path, "
                               "or the adapter directory's name with --adapter).")
+    api_key_env: str = field("OPENAI_API_KEY", help="Name of the environment variable that holds the API key of "
+                             "the OpenAI-compatible server (--backend openai; sent as a Bearer token, never written "
+                             "or printed; unset = no key). The name, not the key (docs/rollout.md).")
     device: str = field("auto", help="Device of the hf backend (auto, cpu, cuda, cuda:N).")
     dtype: str = field("auto", help="Model dtype (auto = bfloat16 on GPU and on CPUs with avx512_bf16/AMX, else float32; docs/performance.md).",
                        choices=("auto", "float32", "bfloat16", "float16"))
@@ -66,6 +71,9 @@ class RolloutConfig(ConfigBase):
     shard: str = field("", help="Play only shard I/N (0-based) of the run's (task, sample) pairs: a contiguous "
                        "block, with the trajectory ids and seeds of the unsharded run (\"\" = all; docs/rollout.md).")
 
+    #: added after runs were made (and where the key comes from changes no trajectory): old runs still resume
+    HASH_OMIT_AT_DEFAULT = ("api_key_env",)
+
     def hash_extra(self) -> dict[str, Any]:
         from qevolve_cli.envs.splits import task_order_tag
 
@@ -75,6 +83,9 @@ class RolloutConfig(ConfigBase):
     def validate(self, source=None, prefix: str = "") -> None:
         if self.backend == "openai" and not self.base_url:
             raise ConfigError(source, prefix + "base_url", "required with backend openai")
+        if not ENV_VAR_NAME.fullmatch(self.api_key_env):  # the value is not echoed: it may be a key pasted here
+            raise ConfigError(source, prefix + "api_key_env", "must be the name of an environment variable (letters, "
+                              "digits and _, e.g. OPENAI_API_KEY) that holds the key, not the key itself")
         if self.shard:
             from qevolve_cli.shard import parse_shard
 

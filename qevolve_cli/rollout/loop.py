@@ -460,6 +460,7 @@ def _run_rollout(cfg: RolloutConfig, policy: str | Path, out: Path, *, adapter: 
     own_backend = backend is None
     if backend is None:
         backend = make_backend(cfg.backend, policy, adapter, base_url=cfg.base_url, served_model=cfg.served_model or None,
+                               api_key_env=cfg.api_key_env,
                                max_context=cfg.max_context, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
                                device=cfg.device, dtype=cfg.dtype, batch_size=cfg.gen_batch_size,
                                timeout_s=cfg.request_timeout_s, threads=cfg.threads, kv_reuse=cfg.kv_reuse,

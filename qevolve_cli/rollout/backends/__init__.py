@@ -23,7 +23,8 @@ model outputs. Three implementations:
   tokenizer call as the hf backend, so greedy float32 tables are equal.
 * :class:`OpenAIBackend` (``openai``): any OpenAI-compatible
   ``/v1/chat/completions`` server (e.g. ``vllm serve``) by base URL; it sends
-  the messages and the server applies the chat template.
+  the messages and the server applies the chat template. The API key, if the
+  server wants one, comes from an environment variable (``OPENAI_API_KEY``).
 
 The prompt of the ``hf``/``vllm`` backends is the tokenizer's chat template
 over the messages with ``add_generation_prompt=True``, tokenised without
@@ -40,6 +41,7 @@ Interface::
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from qevolve_cli.errors import QevolveError
@@ -102,12 +104,13 @@ def split_adapter(policy: str | Path, adapter: str | Path | None) -> tuple[str |
 
 
 def make_backend(name: str, policy: str | Path, adapter: str | Path | None = None, *, base_url: str | None = None,
-                 served_model: str | None = None, max_context: int = 0, max_new_tokens: int = 256,
+                 served_model: str | None = None, api_key_env: str = "OPENAI_API_KEY", max_context: int = 0, max_new_tokens: int = 256,
                  seed: int = 0, device: str = "auto", dtype: str = "auto", batch_size: int = 64,
                  timeout_s: float = 120.0, threads: int = 0, kv_reuse: bool = True, kv_cache_mb: int = 2048) -> Backend:
     """Build a backend by name (``hf``, ``vllm``, ``openai``). A ``policy`` directory that holds only a PEFT
     adapter (a LoRA policy of ``qevolve policy``, e.g. ``--preset cpu-smol``'s) is played as its base model
-    plus that adapter (:func:`split_adapter`)."""
+    plus that adapter (:func:`split_adapter`). ``openai`` sends the key in the environment variable
+    ``api_key_env`` as a Bearer token (none when the variable is unset or empty)."""
     if name in ("hf", "vllm"):
         policy, adapter = split_adapter(policy, adapter)
     if name == "hf":
@@ -119,6 +122,7 @@ def make_backend(name: str, policy: str | Path, adapter: str | Path | None = Non
                            dtype=dtype)
     if name == "openai":
         model = served_model or (Path(adapter).name if adapter else str(policy))
-        return OpenAIBackend(base_url or "", model, policy=policy, max_context=max_context,
-                             max_new_tokens=max_new_tokens, timeout_s=timeout_s)
+        return OpenAIBackend(base_url or "", model, policy=policy, api_key=os.environ.get(api_key_env) or None,
+                             api_key_env=api_key_env, max_context=max_context, max_new_tokens=max_new_tokens,
+                             timeout_s=timeout_s)
     raise QevolveError(f"--backend: unknown backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -1,4 +1,10 @@
-"""The ``openai`` backend: any OpenAI-compatible chat-completions server."""
+"""The ``openai`` backend: any OpenAI-compatible chat-completions server.
+
+A server that wants a key (``vllm serve --api-key``, a hosted endpoint) gets it as ``Authorization: Bearer``
+from an environment variable (``OPENAI_API_KEY`` unless the config's ``api_key_env`` names another). The key
+is never printed, logged or written: the config holds only the variable's name, and an error message that
+would quote it (a server echoing the request) has it replaced by ``***``.
+"""
 from __future__ import annotations
 
 import json
@@ -19,7 +25,7 @@ class OpenAIBackend(Backend):
 
     def __init__(self, base_url: str, model: str, policy: str | Path | None = None, api_key: str | None = None,
                  max_context: int = 0, max_new_tokens: int = 256, timeout_s: float = 120.0,
-                 concurrency: int = 16, retries: int = 2):
+                 concurrency: int = 16, retries: int = 2, api_key_env: str = "OPENAI_API_KEY"):
         import httpx
 
         if not base_url:
@@ -32,6 +38,8 @@ class OpenAIBackend(Backend):
         self.max_new_tokens = max_new_tokens
         self.retries = retries
         self.concurrency = concurrency
+        self.api_key_env = api_key_env
+        self._key = api_key or ""
         self.tokenizer = None
         if policy is not None and (Path(policy) / "tokenizer_config.json").is_file():
             try:
@@ -61,15 +69,18 @@ class OpenAIBackend(Backend):
             try:
                 resp = self.client.post(self.url, json=body)
             except httpx.HTTPError as e:
-                last = f"no OpenAI-compatible server answers at {self.base_url} ({type(e).__name__}: {e})"
+                last = self._redact(f"no OpenAI-compatible server answers at {self.base_url} ({type(e).__name__}: {e})")
                 time.sleep(0.5 * (attempt + 1))
                 continue
             if resp.status_code >= 500:
-                last = f"server error {resp.status_code} from {self.url}: {resp.text[:200]}"
+                last = self._redact(f"server error {resp.status_code} from {self.url}: {_one_line(resp.text[:200])}")
                 time.sleep(0.5 * (attempt + 1))
                 continue
+            if resp.status_code in (401, 403):  # the body is not quoted: servers echo the key they refused
+                raise QevolveError(self._refused(resp.status_code))
             if resp.status_code != 200:
-                raise QevolveError(f"--base-url {self.base_url}: HTTP {resp.status_code} from {self.url}: {resp.text[:300].strip()}")
+                raise QevolveError(self._redact(
+                    f"--base-url {self.base_url}: HTTP {resp.status_code} from {self.url}: {_one_line(resp.text[:300])}"))
             try:
                 data = resp.json()
                 choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
@@ -81,6 +92,18 @@ class OpenAIBackend(Backend):
                 texts.extend(self._one(Request(r.messages, body1["seed"], 1), temperature, top_p, mnt))
             return texts[: r.n]
         raise QevolveError(f"--base-url: {last}")
+
+    def _refused(self, status: int) -> str:
+        """The one line of a 401/403: the URL and the variable the key comes from (never the key)."""
+        if self._key:
+            why = f"the key in ${self.api_key_env} was refused (check it, or name another variable with --api-key-env)"
+        else:
+            why = (f"the server wants an API key and ${self.api_key_env} is not set: export {self.api_key_env}=... "
+                   "(or name another variable with --api-key-env; docs/rollout.md)")
+        return f"--base-url {self.base_url}: HTTP {status} from {self.url}: {why}"
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
 
     def generate(self, requests: Sequence[Request], temperature: float, top_p: float = 1.0,
                  max_new_tokens: int | None = None) -> list[list[str]]:
@@ -94,3 +117,8 @@ class OpenAIBackend(Backend):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _one_line(text: str) -> str:
+    """A server's answer as part of a one-line error message."""
+    return " ".join(text.split())

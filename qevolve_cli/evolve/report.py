@@ -155,9 +155,10 @@ def _critic_data_text(d: dict[str, Any]) -> str:
     """What the critic's diagnostics were computed on and how many trajectories: ``"24 held-out trajectories
     (train split; 8 succeeded, 16 failed)"``, or the training data when nothing was held out."""
     n, ns, nf = d.get("trajectories"), d.get("n_success"), d.get("n_failed")
-    what = "held-out" if d.get("on", "heldout") == "heldout" else "training (nothing held out)"
-    text = f"{n} {what} trajectories" if n is not None else f"{what} trajectories"
-    detail = "train split" + (f"; {ns} succeeded, {nf} failed" if ns is not None and nf is not None else "")
+    held = d.get("on", "heldout") == "heldout"
+    text = ("" if n is None else f"{n} ") + ("held-out" if held else "training") + " trajectories"
+    detail = ("train split" if held else "train split, nothing held out") + (
+        f"; {ns} succeeded, {nf} failed" if ns is not None and nf is not None else "")
     return f"{text} ({detail})"
 
 

@@ -71,6 +71,21 @@ def gae_advantages(
 ) -> ArrowExport:
     """float32 GAE advantages over ragged trajectories."""
 
+def gigpo_advantages(
+    offsets: _ArrowArray,
+    group: _ArrowArray,
+    reward: _ArrowArray,
+    observation: _ArrowArray,
+    gamma: float,
+    omega: float,
+    eps: float,
+    norm: str,
+    episode_stats: str,
+) -> tuple[ArrowExport, ArrowExport, ArrowExport, ArrowExport]:
+    """GiGPO (advantage, null outside the episode groups; episode term; step term; uint32 anchor-group size,
+    0 outside). ``group``: int64 per trajectory, < 0 = in no group; ``norm``: std | mean; ``episode_stats``:
+    trajectories | steps."""
+
 def label_steps(
     action: _ArrowArray,
     observation: _ArrowArray,

@@ -87,3 +87,14 @@ def gae(offs: Column, reward: pl.Series, value: pl.Series, next_value: pl.Series
             None if reward_aux is None else f32(reward_aux),
         ),
     )
+
+
+def gigpo(offs: Column, group: pl.Series, reward: pl.Series, observation: pl.Series, gamma: float, omega: float,
+          eps: float, norm: str = "std", episode_stats: str = "trajectories") -> pl.DataFrame:
+    """GiGPO's advantages (``qevolve_cli.rewards.gigpo_advantages``): one row per step, columns ``advantage``
+    (null outside every episode group), ``gigpo_episode``, ``gigpo_step`` (its two terms, 0 outside) and
+    ``anchor_size`` (the step's anchor group size, 0 outside). ``group``: one int64 per trajectory, < 0 = none."""
+    out = _core.gigpo_advantages(arrow(to_polars(offs)), arrow(group.cast(pl.Int64)), arrow(reward.cast(pl.Float32)),
+                                 observation, gamma, omega, eps, norm, episode_stats)  # observation: as read, chunked
+    return pl.DataFrame([series(n, x) for n, x in zip(("advantage", "gigpo_episode", "gigpo_step", "anchor_size"),
+                                                       out, strict=True)])

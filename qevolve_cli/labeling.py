@@ -19,13 +19,20 @@ import polars as pl
 from qevolve_cli import core, schema
 from qevolve_cli.config import ConfigBase, configs_dir, field, load_yaml
 from qevolve_cli.errors import ConfigError, QevolveError, TableError
-from qevolve_cli.rewards import ADVANTAGES, process_rewards
+from qevolve_cli.rewards import (
+    ADVANTAGES,
+    GIGPO_EPISODE_STATS,
+    GIGPO_NORMS,
+    gigpo_advantages,
+    process_rewards,
+)
 from qevolve_cli.tokenizer import load_tokenizer
 
 
 @dataclass
 class LabelConfig(ConfigBase):
-    HASH_OMIT_AT_DEFAULT = ("step_limit", "window_context")  # added 2026-11-28/29: older runs resume
+    HASH_OMIT_AT_DEFAULT = ("step_limit", "window_context",  # added 2026-11-28/29: older runs resume
+                            "gigpo_gamma", "gigpo_omega", "gigpo_eps", "gigpo_norm", "gigpo_episode_stats")
     rules: str | None = field(None, help="YAML file of per-environment labelling rules (default: configs/labels.yaml).")
     retrospective: bool = field(True, help="Assign retrospective auxiliary rewards; false = ablation 'w/o RR' (all zero).")
     weight_temporal: bool = field(True, help="Keep the temporal term t/T of the step weight w_t.")
@@ -35,9 +42,23 @@ class LabelConfig(ConfigBase):
     advantage: str = field(
         "gae",
         help="Process reward: gae (r_env only, the paper), gae_aux (r_env + r_aux), td (r + gamma V' - V), "
-        "q_minus_v (needs a critic).",
+        "q_minus_v (needs a critic), gigpo (GiGPO's anchor-state credit: no critic; the gigpo_* fields; "
+        "docs/policy.md, 'GiGPO').",
         choices=ADVANTAGES,
     )
+    gigpo_gamma: float = field(0.95, help="gigpo: discount gamma of the step returns G_t = sum_k gamma^k r_env,t+k "
+                                          "compared within an anchor group (verl-agent's default 0.95).", ge=0.0, le=1.0)
+    gigpo_omega: float = field(1.0, help="gigpo: weight omega of the step term, A = A^E + omega A^S (verl-agent's "
+                                         "step_advantage_w, default 1).", ge=0.0)
+    gigpo_eps: float = field(1e-6, help="gigpo: eps of (x - mean) / (std + eps) (verl-agent's epsilon, 1e-6).",
+                             ge=0.0)
+    gigpo_norm: str = field("std", help="gigpo: std divides by the group's std + eps (verl-agent's mean_std_norm; "
+                                        "std is the unbiased one, torch.std's), mean by 1 (mean_norm).",
+                            choices=GIGPO_NORMS)
+    gigpo_episode_stats: str = field("trajectories", help="gigpo: the episode group's mean and std over its "
+                                                          "trajectories (the paper's Eq. 3, the default) or over its "
+                                                          "steps, each counting its trajectory's return (verl-agent's "
+                                                          "code).", choices=GIGPO_EPISODE_STATS)
     max_length: int | None = field(None, help="Token budget for prefix indexing (None: no budget, whole "
                                                 "trajectories; the critic windows longer ones with its own "
                                                 "max_length).", gt=0)
@@ -155,6 +176,9 @@ def label_frame(
         timings["prefix"] = time.perf_counter() - t0
         timings["prefix_stats"] = pstats  # fallbacks to the slow path, truncated / overlong steps
 
+    if cfg.advantage == "gigpo" and (critic is not None or cfg.value_source != "critic"):
+        what = "--critic" if critic is not None else f"value_source={cfg.value_source}"
+        raise QevolveError(f"label config: field 'advantage': gigpo needs no values, but {what} gives them: drop one")
     if cfg.value_source != "critic":
         if critic is not None:
             raise QevolveError(f"--critic and value_source={cfg.value_source} both give values: choose one")
@@ -172,10 +196,19 @@ def label_frame(
         t0 = time.perf_counter()
         from qevolve_cli.critic.score import score_table
 
-        df = score_table(df, critic, tokenizer=tokenizer)
+        # a feature critic reads the features its critic stage cached beside the same table (keyed on content)
+        cache = Path(source).parent / "features" if isinstance(source, (str, Path)) else None
+        df = score_table(df, critic, tokenizer=tokenizer, feature_cache=cache)
         timings["critic"] = time.perf_counter() - t0
 
-    if "value" in df.columns and "next_value" in df.columns:
+    if cfg.advantage == "gigpo":  # critic-free: the table's own returns (values, if any, are not used)
+        t0 = time.perf_counter()
+        adv, stats = gigpo_advantages(df, offs, cfg.gigpo_gamma, cfg.gigpo_omega, cfg.gigpo_eps, cfg.gigpo_norm,
+                                      cfg.gigpo_episode_stats)
+        df = df.with_columns(adv["advantage"])
+        timings["advantage"] = time.perf_counter() - t0
+        timings["gigpo_stats"] = stats
+    elif "value" in df.columns and "next_value" in df.columns:
         t0 = time.perf_counter()
         df = with_advantage(df, offs, cfg, source)
         timings["advantage"] = time.perf_counter() - t0
@@ -264,6 +297,8 @@ def label_tables(
     }
     if "prefix_stats" in timings:
         summary["prefix"] = timings["prefix_stats"]
+    if "gigpo_stats" in timings:
+        summary["gigpo"] = timings["gigpo_stats"]
     if "advantage" in df.columns:
         summary["advantage_mean"] = float(df["advantage"].mean())
     return summary

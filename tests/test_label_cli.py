@@ -108,6 +108,8 @@ def test_label_step_limit_fills_steps_left_where_missing(tmp_path, buffers):
     d = dataclasses.asdict(LabelConfig())
     d.pop("step_limit")
     d.pop("window_context")
+    for k in ("gamma", "omega", "eps", "norm", "episode_stats"):  # GiGPO's fields (issue 69), omitted at default too
+        d.pop(f"gigpo_{k}")
     assert LabelConfig().hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert LabelConfig(step_limit=9).hash() != LabelConfig().hash() != LabelConfig(window_context=1.0).hash()
     r = runner.invoke(app, ["label", str(pe), "--out", str(tmp_path / "x.parquet"), "--step-limit", "0"])

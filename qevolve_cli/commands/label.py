@@ -23,7 +23,8 @@ Adds reward_aux / aux_kind (retrospective labels, rules per env from configs/lab
 success and weight (w_t = (t/T + d)*0.5 + 0.5); with --tokenizer the prefix positions
 pos_s / pos_sa / pos_next; with --critic (or value/next_value already present, or
 --value-source oracle on an environment with an exact solver) the GAE process reward
-`advantage`. Input files are never modified; the output is written atomically, and a
+`advantage`; with --advantage gigpo GiGPO's critic-free advantage (and how many steps share an
+anchor state). Input files are never modified; the output is written atomically, and a
 second `label` on the same --out while one runs is refused with one line (the output lock).
 
 \b
@@ -31,6 +32,7 @@ Examples:
   qevolve label expert.parquet self.parquet --out labeled.parquet
   qevolve label expert.parquet self.parquet --out labeled.parquet --tokenizer runs/bc/policy
   qevolve label labeled.parquet --critic runs/iter_1/critic --out advantages.parquet --json
+  qevolve label expert.parquet self.parquet --out gigpo.parquet --advantage gigpo   # GiGPO, no critic
   qevolve label buf.parquet --out l.parquet --no-retrospective     # ablation w/o RR
   qevolve label expert.parquet self.parquet --out exact.parquet --value-source oracle   # exact V* (lamps)
   qevolve label expert.parquet self.parquet --out l.parquet --step-limit 26   # steps_left on the expert rows too
@@ -47,7 +49,9 @@ def register(app: typer.Typer) -> None:
         tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory: add pos_s/pos_sa/pos_next.")] = None,
         critic: Annotated[Path | None, typer.Option("--critic", help="Critic directory: add value/next_value/advantage.")] = None,
         config: ConfigOpt = None,
-        advantage: Annotated[str | None, typer.Option("--advantage", help="Process reward: gae, gae_aux, td, q_minus_v.")] = None,
+        advantage: Annotated[str | None, typer.Option("--advantage", help="Process reward: gae, gae_aux, td, q_minus_v (these need critic values), or gigpo "
+                                       "(GiGPO's anchor-state credit from the table's own returns, no critic; the "
+                                       "gigpo_* fields of --config, label section).")] = None,
         retrospective: Annotated[bool | None, typer.Option("--retrospective/--no-retrospective", help="Retrospective labels on/off (ablation).")] = None,
         max_length: Annotated[int | None, typer.Option("--max-length", help="Token budget for prefix indexing.")] = None,
         window_context: Annotated[float | None, typer.Option(
@@ -97,6 +101,10 @@ def register(app: typer.Typer) -> None:
                 if "prefix" in summary:
                     p = summary["prefix"]
                     typer.echo("prefix positions: " + ", ".join(f"{k}={v}" for k, v in p.items()), err=True)
+                if "gigpo" in summary:
+                    from qevolve_cli.rewards import gigpo_line
+
+                    typer.echo(gigpo_line(summary["gigpo"]), err=True)
 
         # without --tokenizer/--critic, label makes a few hundred Python objects (the rows live in
         # Polars and the Rust core): it can finish without the cyclic collector (restore_gc)

@@ -426,6 +426,16 @@ def load_policy_table(cfg: PolicyConfig, data):
     if df.height == 0:
         raise TableError(where, None, "no trajectories left to train on")
     if cfg.uses_advantage:  # read_training_rows required the advantage column
+        # demonstrations without an advantage (label --advantage gigpo gives them none: they are in no episode
+        # group) are left out of bppo / awr, as in GiGPO, which trains on its rollouts; BC has cloned them
+        no_adv = (df.filter(pl.col("source") == "expert").group_by("traj_id")
+                  .agg(pl.col("advantage").is_null().all().alias("none")).filter(pl.col("none")))
+        if no_adv.height:
+            df = df.filter(~pl.col("traj_id").is_in(no_adv["traj_id"].implode()))
+            info["expert_without_advantage"] = no_adv.height
+            if df.height == 0:
+                raise TableError(where, "advantage", f"no advantages: only {no_adv.height} expert trajectories "
+                                 "without one (label --advantage gigpo gives advantages to self-play rows only)")
         nulls = df.filter(pl.col("advantage").is_null())
         if nulls.height:
             r = nulls.row(0, named=True)

@@ -379,6 +379,8 @@ def summarize(cfg: PolicyConfig, pd: PolicyData, lp: LogProbs, result, unwrapped
         "final_loss": result.last_metrics.get("loss"),
         **inputs,
     }
+    if "expert_without_advantage" in pd.table_info:  # bppo / awr on GiGPO's advantages: demonstrations left out
+        metrics["expert_without_advantage"] = pd.table_info["expert_without_advantage"]
     if cfg.objective == "rft":
         metrics.update({f"rft_{k}": v for k, v in pd.table_info.items()})
     if cfg.objective == "dpo":

@@ -10,6 +10,7 @@
 
 pub mod error;
 pub mod gae;
+pub mod gigpo;
 pub mod labels;
 pub mod prefix;
 pub mod ragged;

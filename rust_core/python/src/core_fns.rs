@@ -1,12 +1,12 @@
-//! Bindings of labels, weights, GAE and ragged helpers.
+//! Bindings of labels, weights, GAE, GiGPO and ragged helpers.
 use crate::arrow_io::{bool_vec, f32_slice, i32_slice, i64_slice, import_array, import_chunks, u32_slice, ArrowExport, ChunkedStr, StrArr};
 use crate::to_py_err;
-use arrow_array::{ArrayRef, BooleanArray, Float32Array, Int64Array, StringArray, StringViewArray};
+use arrow_array::{ArrayRef, BooleanArray, Float32Array, Int64Array, StringArray, StringViewArray, UInt32Array};
 use arrow_buffer::ScalarBuffer;
 use rayon::prelude::*;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use qevolve_core::{gae, labels, weights};
+use qevolve_core::{gae, gigpo, labels, weights};
 use std::sync::Arc;
 
 fn export(a: ArrayRef) -> ArrowExport {
@@ -147,6 +147,61 @@ fn gae_advantages(
     Ok(export(Arc::new(Float32Array::from(out))))
 }
 
+/// gigpo_advantages(offsets, group: int64 per trajectory (< 0: in no group), reward, observation, gamma,
+/// omega, eps, norm ("std" | "mean"), episode_stats ("trajectories" | "steps"))
+/// -> (advantage: float32, null outside the groups; episode term; step term; anchor_size: uint32, 0 outside)
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gigpo_advantages(
+    py: Python<'_>,
+    offsets: &Bound<'_, PyAny>,
+    group: &Bound<'_, PyAny>,
+    reward: &Bound<'_, PyAny>,
+    observation: &Bound<'_, PyAny>,
+    gamma: f64,
+    omega: f64,
+    eps: f64,
+    norm: &str,
+    episode_stats: &str,
+) -> PyResult<(ArrowExport, ArrowExport, ArrowExport, ArrowExport)> {
+    let bad = |what: &str, got: &str, choices: &str| {
+        pyo3::exceptions::PyValueError::new_err(format!("{what}: expected one of {choices}, got {got:?}"))
+    };
+    let norm = match norm {
+        "std" => gigpo::Norm::Std,
+        "mean" => gigpo::Norm::Mean,
+        other => return Err(bad("norm", other, "std, mean")),
+    };
+    let episode_stats = match episode_stats {
+        "trajectories" => gigpo::EpisodeStats::Trajectories,
+        "steps" => gigpo::EpisodeStats::Steps,
+        other => return Err(bad("episode_stats", other, "trajectories, steps")),
+    };
+    let (o, g, r) = (import_array("offsets", offsets)?, import_array("group", group)?, import_array("reward_env", reward)?);
+    let obs = import_chunks("observation", observation)?;
+    let obs = ChunkedStr::from("observation", &obs)?;
+    let inp = gigpo::GigpoInput {
+        offsets: i64_slice("offsets", &o)?,
+        group: i64_slice("group", &g)?,
+        reward: f32_slice("reward_env", &r)?,
+        observation: &obs,
+        gamma,
+        omega,
+        eps,
+        norm,
+        episode_stats,
+    };
+    let out = py.detach(|| gigpo::gigpo(&inp)).map_err(to_py_err)?;
+    let valid: Vec<bool> = out.anchor_size.iter().map(|&s| s > 0).collect();
+    let adv = Float32Array::new(ScalarBuffer::from(out.advantage), Some(valid.into()));
+    Ok((
+        export(Arc::new(adv)),
+        export(Arc::new(Float32Array::from(out.episode))),
+        export(Arc::new(Float32Array::from(out.step))),
+        export(Arc::new(UInt32Array::from(out.anchor_size))),
+    ))
+}
+
 fn rule_spec(d: &Bound<'_, PyDict>) -> PyResult<labels::RuleSpec> {
     fn get<'py, T: for<'a> FromPyObject<'a, 'py>>(d: &Bound<'py, PyDict>, k: &str, default: T) -> PyResult<T> {
         match d.get_item(k)? {
@@ -216,6 +271,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(trajectory_success, m)?)?;
     m.add_function(wrap_pyfunction!(step_weights, m)?)?;
     m.add_function(wrap_pyfunction!(gae_advantages, m)?)?;
+    m.add_function(wrap_pyfunction!(gigpo_advantages, m)?)?;
     m.add_function(wrap_pyfunction!(label_steps, m)?)?;
     Ok(())
 }

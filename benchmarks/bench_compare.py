@@ -5,8 +5,8 @@ with the whole held-out splits (eval_max_tasks 0), then `qevolve compare --selec
 directory, both through the library (the same functions as the commands; docs/compare.md). Every arm is
 chosen among the same number of candidates on validation train tasks. Prints one JSON object: per
 environment the per-seed scores, per arm and column the mean and standard error over the seeds, and the
-paired bootstrap 95 % intervals of every arm minus RFT and minus SFT (pairs = the same task of the same
-seed; seeds and tasks resampled: compare.paired_bootstrap). --markdown also prints the tables for
+paired bootstrap 95 % intervals of every arm minus RFT, minus SFT and minus GiGPO where it is a row (pairs = the
+same task of the same seed; seeds and tasks resampled: compare.paired_bootstrap). --markdown also prints the tables for
 docs/compare.md on stderr: the scores, the paired differences, and each arm's budget per seed (epochs x lr x
 data of every training stage, the validation scores of the candidates each selection chose from) and each seed's
 cost. ``times``: ``evolve_s`` / ``compare_s``, wall seconds of the invocation that finished the seed (after a
@@ -196,7 +196,8 @@ def cost_markdown(env: str, seeds: list[int], times: dict) -> str:
     return f"**{env}**, cost summed over the stages of each seed: " + "; ".join(cells) + "\n"
 
 
-REFS = {"rft": "RFT", "sft": "SFT", "rft_2": "RFT (2 rounds)"}  # the paired differences: every arm minus each
+# the paired differences: every arm minus each (GiGPO: does the learned critic beat critic-free step credit)
+REFS = {"rft": "RFT", "sft": "SFT", "rft_2": "RFT (2 rounds)", "gigpo": "GiGPO"}
 
 
 def summarize(tables: list[dict], n_boot: int) -> dict:

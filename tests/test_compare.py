@@ -41,8 +41,8 @@ def compared(run) -> dict:
 
 def test_compare_table_rows_data_and_reuse(run, compared):
     t = compared
-    assert [r["arm"] for r in t["rows"]] == ["sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v"]
-    assert [r["oracle"] for r in t["rows"]] == [False, False, False, True, False, True]
+    assert [r["arm"] for r in t["rows"]] == ["sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v", "gigpo"]
+    assert [r["oracle"] for r in t["rows"]] == [False, False, False, True, False, True, False]
     assert t["columns"] == ["lamps/test_seen", "lamps/test_unseen"]
     rows = {r["arm"]: r for r in t["rows"]}
     man = json.loads((run / "manifest.json").read_text())["stages"]
@@ -74,8 +74,8 @@ def test_compare_table_rows_data_and_reuse(run, compared):
         assert rows["best_of_n"]["scores"][f"lamps/{split}"]["avg_reward"] == pytest.approx(best)
     # env steps: self-play rollouts used for training, and env steps at evaluation
     steps = pl.read_parquet(run / "iter_1" / "rollout.parquet").height
-    assert [rows[a]["self_play_steps"] for a in ("sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
-            ] == [0, steps, steps, 0, steps, steps]
+    assert [rows[a]["self_play_steps"] for a in ("sft", "rft", "eto", "best_of_n", "qevolve", "qevolve_oracle_v",
+                                                  "gigpo")] == [0, steps, steps, 0, steps, steps, steps]
     # Q-Evolve (oracle V): the iteration-1 labels with V* (gamma^(d-1)): 1 before every finishing step, the
     # advantages of the same GAE; BPPO from BC with the run's policy_1 config
     assert rows["qevolve_oracle_v"]["method"] == "Q-Evolve (oracle V)"
@@ -202,7 +202,7 @@ def test_rft_2_rows_added_on_resume_are_rft_on_its_own_rollouts(run, compared, t
     proc.kill()
     _, err = proc.communicate()
     assert running, err[-3000:]
-    assert "compare: rows sft, rft, eto, best_of_n, qevolve, qevolve_oracle_v -> sft, rft, rft_2" in err
+    assert "compare: rows sft, rft, eto, best_of_n, qevolve, qevolve_oracle_v, gigpo -> sft, rft, rft_2" in err
     assert not (cp / "compare" / "table.json").exists() and not (cp / "compare" / "table.md").exists()
     r = run_qevolve("compare", "--run-dir", cp, "--resume", "--set", "arms=[sft, rft, rft_2]", "--json", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -199,3 +199,87 @@ def test_bppo_leaves_out_expert_rows_without_advantage(tmp_path):
                                        .alias("advantage")), bad)
     with pytest.raises(TableError, match="advantage.*2 null values"):
         load_policy_table(PolicyConfig(objective="bppo"), bad)
+
+
+# ---- the evolve loop and the compare row, on real smoke-scale lamps runs (subprocesses)
+
+ROLLOUT_3 = "rollout:\n  n_per_task: 3\n"  # 3 rollouts per task: episode groups to compare, a shared first state
+
+
+def evolve(tmp_path, name: str, config: str, *extra: str) -> tuple:
+    from conftest import run_qevolve
+
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(config)
+    run = tmp_path / name
+    r = run_qevolve("evolve", "--env", "lamps", "--preset", "smoke", "--iters", "1", "--config", cfg, "--run-dir", run,
+                    "--quiet", "--json", *extra, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return run, json.loads((run / "manifest.json").read_text())["stages"]
+
+
+@pytest.mark.slow
+def test_evolve_with_gigpo_advantages_trains_no_critic(tmp_path):
+    run, man = evolve(tmp_path, "run", ROLLOUT_3 + "label:\n  advantage: gigpo\n")
+    assert "iter_1/critic" not in man and not (run / "iter_1" / "critic").exists()
+    assert man["iter_1/advantage"]["status"] == "done" and man["iter_1/policy"]["status"] == "done"
+    plan = (run / "plan.sh").read_text()
+    assert "qevolve critic" not in plan and "--critic" not in plan
+    adv = schema.read_table(run / "iter_1" / "advantages.parquet")
+    want, _ = gigpo_advantages(schema.read_table(run / "iter_1" / "labeled.parquet"))  # label's defaults
+    assert adv["advantage"].to_list() == want["advantage"].to_list()
+    assert man["iter_1/advantage"]["metrics"]["gigpo"]["anchored_steps"] > 0  # the 3 rollouts share a first state
+    n_expert = schema.read_table(run / "expert.parquet")["traj_id"].n_unique()
+    p1 = json.loads((run / "iter_1" / "policy" / "train_summary.json").read_text())
+    assert p1["objective"] == "bppo" and p1["expert_without_advantage"] == n_expert
+    assert p1["trajectories"] == schema.read_table(run / "iter_1" / "rollout.parquet")["traj_id"].n_unique()
+
+
+@pytest.mark.slow
+def test_compare_gigpo_row(tmp_path):
+    """The GiGPO row: the run's iteration-1 labels relabelled by `label --advantage gigpo`, the run's own BPPO step
+    from BC on them (no critic), evaluated like every row; with --select-on-validation chosen among as many
+    candidates as Q-Evolve's policy step."""
+    from conftest import run_qevolve
+
+    run, man = evolve(tmp_path, "run", ROLLOUT_3)
+    r = run_qevolve("compare", "--run-dir", run, "--set", "arms=[sft, qevolve, gigpo]", "--json", "--quiet",
+                    timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    t = json.loads(r.stdout)
+    rows = {x["arm"]: x for x in t["rows"]}
+    g = rows["gigpo"]
+    assert list(rows) == ["sft", "qevolve", "gigpo"] and g["method"] == "GiGPO (anchor-state credit)"
+    assert not g["oracle"] and g["self_play_steps"] == rows["qevolve"]["self_play_steps"] > 0
+    assert [b["stage"] for b in g["budget"]] == ["BC", "it 1 (GiGPO)"]
+    for col in t["columns"]:  # the same tasks as every row: paired statistics
+        assert set(g["per_task"][col]) == set(rows["sft"]["per_task"][col]) and g["scores"][col]["n"] > 0
+    cdir = run / "compare"
+    adv = schema.read_table(cdir / "gigpo" / "advantages.parquet")
+    labeled = schema.read_table(run / "iter_1" / "labeled.parquet")
+    want, stats = gigpo_advantages(labeled)
+    assert adv["traj_id"].to_list() == labeled["traj_id"].to_list()
+    assert adv["advantage"].to_list() == want["advantage"].to_list()
+    assert g["anchor_groups"] == json.loads(json.dumps(stats)) and stats["anchored_steps"] > 0
+    assert not list(cdir.rglob("critic"))  # no critic trained
+    gs = json.loads((cdir / "gigpo" / "policy" / "train_summary.json").read_text())
+    p1 = json.loads((run / "iter_1" / "policy" / "train_summary.json").read_text())
+    assert gs["objective"] == p1["objective"] == "bppo" and gs["ref"] == p1["ref"] == str(run / "bc" / "policy")
+    assert gs["epochs"] == p1["epochs"] and gs["expert_without_advantage"] == labeled.filter(
+        pl.col("source") == "expert")["traj_id"].n_unique()
+    md = (cdir / "table.md").read_text()
+    assert "| GiGPO (anchor-state credit) |" in md and f"({100 * stats['anchored_share']:.1f} %)" in md
+
+    # --select-on-validation: the same candidates as the run's policy step, on the same validation tasks
+    sel_cfg = (ROLLOUT_3 + "select_on_validation: true\nvalidation_tasks: 2\nbc_candidates: [{}, {epochs: 2}]\n"
+               "policy_candidates: [{}, {lr: 0.5}]\n")
+    srun, sman = evolve(tmp_path, "srun", sel_cfg)
+    r = run_qevolve("compare", "--run-dir", srun, "--select-on-validation", "--set", "arms=[sft, qevolve, gigpo]",
+                    "--json", "--quiet", timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = {x["arm"]: x for x in json.loads(r.stdout)["rows"]}
+    gsel, qsel = rows["gigpo"]["selection"], sman["iter_1/policy"]["metrics"]["selection"]
+    assert [c["tag"] for c in gsel["candidates"]] == [c["tag"] for c in qsel["candidates"]] == ["base", "lr0.5"]
+    assert gsel["validation_tasks"] == qsel["validation_tasks"] == 2
+    assert gsel["policy"] == f"gigpo/cand_{gsel['chosen']}/policy"
+    assert json.loads((srun / "compare" / "selection.json").read_text())["gigpo"] == gsel

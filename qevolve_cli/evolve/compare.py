@@ -16,6 +16,10 @@ rollouts, its base model and BC policy, its evaluation settings) the arms are:
 * **Best-of-N** = the BC policy, N sampled trajectories per task, the best by
   final env reward (an oracle upper bound, QLASS's rule);
 * **Q-Evolve** = the run's last evaluated iteration;
+* **GiGPO (anchor-state credit)** = the iteration-1 policy step (the run's own, as for oracle V) on the
+  iteration-1 labels with GiGPO's advantages (``label --advantage gigpo``: the returns of one task's rollouts and
+  of the steps from one observation compared, no critic) in place of the critic's: does the learned critic beat
+  critic-free step credit on the same data (docs/compare.md);
 * **Q-Evolve (oracle V)** (environments with an exact solver: lamps, lamps-hard, lamps-habit) = the iteration-1
   policy step (the run's own: BPPO from the BC policy, or under ``policy_step: awr`` AWR from the base
   model; the run's ``policy_1`` config) on the iteration-1 labels
@@ -50,7 +54,7 @@ from qevolve_cli.evolve.compare_table import (  # noqa: F401 - mean_se, paired_b
 )
 from qevolve_cli.evolve.select import DEFAULT_BC_CANDIDATES, DEFAULT_ETO_CANDIDATES, below_start, check_grid
 
-ARMS = ("zero_shot", "sft", "rft", "rft_2", "eto", "best_of_n", "qevolve", "qevolve_oracle_v")
+ARMS = ("zero_shot", "sft", "rft", "rft_2", "eto", "best_of_n", "qevolve", "qevolve_oracle_v", "gigpo")
 OPT_IN_ARMS = ("rft_2",)  # rows only when named in `arms` (not in the default list)
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in OPT_IN_ARMS)
 ETO_LR_RATIO = 1e-6 / 2e-5  # ETO (run_eto.sh): DPO lr 1e-6 after SFT at lr 2e-5
@@ -58,7 +62,8 @@ ETO_NLL_WEIGHT = 1.0  # RPO (Pang et al. 2024) and TRL's rpo_alpha recommendatio
 ARM_NAMES = {"zero_shot": "Zero-shot (base model)", "sft": "SFT", "rft": "RFT", "rft_2": "RFT (2 rounds)", "eto": "ETO",
              "best_of_n": "Best-of-N",
              "qevolve": "Q-Evolve",
-             "qevolve_oracle_v": "Q-Evolve (oracle V)"}
+             "qevolve_oracle_v": "Q-Evolve (oracle V)",
+             "gigpo": "GiGPO (anchor-state credit)"}
 
 
 @dataclass
@@ -71,7 +76,8 @@ class CompareConfig(ConfigBase):
                                                                       "eto, best_of_n, qevolve, qevolve_oracle_v "
                                                                       "(only where the environment has an exact "
                                                                       "solver: dropped from the default list "
-                                                                      "elsewhere).")
+                                                                      "elsewhere), gigpo (iteration 1's policy step "
+                                                                      "on GiGPO's critic-free advantages).")
     best_of: int = field(6, help="N of Best-of-N (the paper: 6).", ge=2)
     bon_temperature: float | None = field(None, help="Sampling temperature of Best-of-N (default: the run's rollout "
                                                      "temperature).", ge=0)
@@ -370,6 +376,8 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
         # value_source oracle, the rollout's step limit for the replay), the same BPPO step from BC
         l_cfg = ecfg.stage("label", 1).replace(value_source="oracle",
                                                oracle_max_steps=ecfg.stage("rollout", 1).max_steps)
+        if l_cfg.advantage == "gigpo":  # a run on GiGPO's advantages: V* goes into the paper's GAE
+            l_cfg = l_cfg.replace(advantage="gae")
         o_cfg = ecfg.stage("policy", 1)
         labeled = run / "iter_1" / "labeled.parquet"
         if not labeled.exists():
@@ -411,6 +419,11 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
                            echo=echo)
             policies["qevolve_oracle_v"] = cdir / "oracle_v" / "policy"
 
+    gigpo_stats: dict[str, Any] = {}
+    if "gigpo" in ccfg.arms:
+        gigpo_stats = _gigpo_arm(ecfg, ccfg, run, cdir, crun, base, bc, policies, selections,
+                                 (v_cfg, val_tasks) if ccfg.select_on_validation else None, echo, quiet)
+
     if ccfg.select_on_validation:
         write_json(cdir / "selection.json", selections)
     if select_only:
@@ -433,7 +446,7 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for arm in ccfg.arms:
         results[arm] = {}
-        k = k_last if arm == "qevolve" else (1 if arm in ("rft", "eto", "qevolve_oracle_v") else
+        k = k_last if arm == "qevolve" else (1 if arm in ("rft", "eto", "qevolve_oracle_v", "gigpo") else
                                               2 if arm == "rft_2" else 0)
         for split in ecfg.eval_splits:
             e_cfg = eval_cfg(k, split)
@@ -473,7 +486,7 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     rft2_steps = schema.read_table(rollout_2, validate_rows=False).height if "rft_2" in ccfg.arms else 0
     self_steps = {"zero_shot": 0, "sft": 0, "best_of_n": 0, "rft": rollout_steps.get(1, 0), "eto": rollout_steps.get(1, 0),
                   "rft_2": rollout_steps.get(1, 0) + rft2_steps,
-                  "qevolve_oracle_v": rollout_steps.get(1, 0),
+                  "qevolve_oracle_v": rollout_steps.get(1, 0), "gigpo": rollout_steps.get(1, 0),
                   "qevolve": sum(rollout_steps.get(k, 0) for k in range(1, k_last + 1))}
     rows = []
     for arm in ccfg.arms:
@@ -497,6 +510,8 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
             name += f" (iter {k_last}{step})"
         elif arm == "qevolve_oracle_v" and step:
             name = f"Q-Evolve (oracle V{step})"
+        elif arm == "gigpo" and step:
+            name = f"GiGPO (anchor-state credit{step})"
         row: dict[str, Any] = {"arm": arm, "method": name, "oracle": arm in ("best_of_n", "qevolve_oracle_v"),
                                "expert_steps": 0 if arm == "zero_shot" else expert_steps,
                                "self_play_steps": self_steps[arm],
@@ -515,6 +530,10 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
         elif arm == "qevolve_oracle_v":  # BC, then iteration 1's policy step on V*
             row["budget"] = [budget_of(bc, "BC"), budget_of(policies[arm], "it 1 (V*)")]
             sel = selections.get(arm)
+        elif arm == "gigpo":  # BC, then iteration 1's policy step on GiGPO's advantages
+            row["budget"] = [budget_of(bc, "BC"), budget_of(policies[arm], "it 1 (GiGPO)")]
+            sel = selections.get(arm)
+            row["anchor_groups"] = gigpo_stats  # where GiGPO has step credit at all (label's statistics)
         else:
             plain_bc = arm in ("sft", "best_of_n") or (arm == "eto" and eto_note)
             row["budget"] = [budget_of(policies[arm], "BC" if plain_bc else ARM_NAMES[arm])]
@@ -534,3 +553,54 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     write_json(cdir / "table.json", table)
     write_text(cdir / "table.md", table_markdown(table))
     return table
+
+
+def _gigpo_arm(ecfg, ccfg: CompareConfig, run: Path, cdir: Path, crun, base: Path, bc: Path, policies: dict[str, Path],
+               selections: dict[str, Any], validation, echo, quiet: bool) -> dict[str, Any]:
+    """The GiGPO row: the iteration-1 labels (``iter_1/labeled.parquet``: the expert table and the iteration-1
+    rollouts) relabelled with ``advantage: gigpo`` (the run's label_1 config otherwise; no critic), then the
+    run's own iteration-1 policy step from the BC policy on them, chosen among the run's ``policy_candidates``
+    under ``select_on_validation`` (``validation``: (config, tasks)). Sets ``policies["gigpo"]`` (and its
+    selection); returns the label stage's anchor-group statistics (``label --json``'s ``gigpo``)."""
+    from qevolve_cli.evolve.loop import _scalars, policy_start
+    from qevolve_cli.policy.trainer import train_policy
+
+    l_cfg = ecfg.stage("label", 1).replace(advantage="gigpo", value_source="critic")
+    labeled, adv = run / "iter_1" / "labeled.parquet", cdir / "gigpo" / "advantages.parquet"
+    if not labeled.exists():
+        raise QevolveError(f"{run}: no iteration-1 labels ({labeled}); run `qevolve evolve --iters 1` (or --resume) "
+                           "first")
+
+    def gigpo_labels():
+        from qevolve_cli.labeling import label_tables
+
+        return _scalars(label_tables([labeled], adv, l_cfg))
+
+    m = crun.run_stage("gigpo/advantage", gigpo_labels, inputs=[str(labeled)], outputs=["gigpo/advantages.parquet"],
+                       config_hash=l_cfg.hash(), iteration=1, echo=echo)
+    stats = dict(m.get("gigpo", {}))
+    if stats:
+        from qevolve_cli.rewards import gigpo_line
+
+        echo(f"compare: {gigpo_line(stats)}")
+    p_cfg = ecfg.stage("policy", 1)
+    start, ref = policy_start(ecfg, base, bc)  # the run's own policy step (bppo from BC, or awr)
+    inputs = ["gigpo/advantages.parquet", str(start)]
+    if validation is not None:  # the candidates of the run's own policy steps
+        from qevolve_cli.evolve.select import select
+
+        def train(c, out_dir):
+            return train_policy(c, adv, start, out_dir, ref=ref, quiet=quiet)
+
+        v_cfg, val_tasks = validation
+        selections["gigpo"] = select(crun, "gigpo", p_cfg, ecfg.policy_candidates, train, v_cfg, val_tasks,
+                                     iteration=1, inputs=inputs, echo=echo)
+        policies["gigpo"] = cdir / selections["gigpo"]["policy"]
+    else:
+        def train_one():
+            return _scalars(train_policy(p_cfg, adv, start, cdir / "gigpo" / "policy", ref=ref, quiet=quiet))
+
+        crun.run_stage("gigpo", train_one, inputs=inputs, outputs=["gigpo/policy"], config_hash=p_cfg.hash(),
+                       legacy_hash=p_cfg.legacy_hash(), iteration=1, echo=echo)
+        policies["gigpo"] = cdir / "gigpo" / "policy"
+    return stats

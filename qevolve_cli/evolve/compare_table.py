@@ -145,6 +145,14 @@ def table_markdown(table: dict[str, Any]) -> str:
         notes.append("Q-Evolve (oracle V) is iteration 1's policy step on the exact optimal values V* from the "
                      "environment's solver instead of the learned critic's: the critic's ceiling, not a deployable "
                      "method.")
+    for r in table["rows"]:
+        if r["arm"] == "gigpo":
+            st = r.get("anchor_groups") or {}
+            share = (f": {st['anchored_steps']} of its {st['steps']} self-play steps "
+                     f"({100 * st['anchored_share']:.1f} %) share their observation with another step of the task's "
+                     "rollouts (anchor groups of >= 2), the only steps with step credit" if st.get("steps") else "")
+            notes.append("GiGPO (anchor-state credit) is iteration 1's policy step on GiGPO's critic-free advantages "
+                         f"instead of the learned critic's (no critic trained){share}.")
     if note := rounds_note(table):
         notes.append(note)
     if any(r["arm"] == "best_of_n" for r in table["rows"]):

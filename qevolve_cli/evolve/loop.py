@@ -20,6 +20,7 @@ from qevolve_cli.errors import QevolveError
 from qevolve_cli.evolve.config import EvolveConfig
 from qevolve_cli.evolve.rundir import RunDir, make_sinks
 from qevolve_cli.evolve.rundir import scalars as _scalars  # noqa: F401 - re-exported (compare, benchmarks)
+from qevolve_cli.rewards import CRITIC_FREE
 
 
 def _echo_stderr(msg: str) -> None:
@@ -92,10 +93,15 @@ class Plan:
                 f"--config stages/rollout_{k}.yaml --out iter_{k}/rollout.parquet --resume",
                 f"qevolve label {q(self.expert())} iter_{k}/rollout.parquet --tokenizer {base} --config stages/label_{k}.yaml "
                 f"--out iter_{k}/labeled.parquet",
-                f"qevolve critic --data iter_{k}/labeled.parquet --model {base if c.critic_backbone == 'base' else prev} "
-                f"--config stages/critic_{k}.yaml --out iter_{k}/critic",
-                f"qevolve label iter_{k}/labeled.parquet --critic iter_{k}/critic --config stages/label_{k}.yaml "
-                f"--out iter_{k}/advantages.parquet",
+            ]
+            critic_free = c.stage("label", k).advantage in CRITIC_FREE  # gigpo: no critic
+            if not critic_free:
+                lines.append(f"qevolve critic --data iter_{k}/labeled.parquet --model "
+                             f"{base if c.critic_backbone == 'base' else prev} --config stages/critic_{k}.yaml "
+                             f"--out iter_{k}/critic")
+            lines += [
+                f"qevolve label iter_{k}/labeled.parquet{'' if critic_free else f' --critic iter_{k}/critic'} "
+                f"--config stages/label_{k}.yaml --out iter_{k}/advantages.parquet",
                 f"qevolve policy --objective {c.policy_step} --data iter_{k}/advantages.parquet --model {start}{ref_flag} "
                 f"--config stages/policy_{k}.yaml --out iter_{k}/policy",
             ]
@@ -338,17 +344,20 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
 
             return _scalars(train_critic(c_cfg, run.path / it / "labeled.parquet", backbone, run.path / it / "critic"))
 
-        run.run_stage(f"{it}/critic", critic, inputs=[f"{it}/labeled.parquet"], outputs=[f"{it}/critic"],
-                      config_hash=c_cfg.hash(), legacy_hash=c_cfg.legacy_hash(), iteration=k, echo=echo)
-        _echo_critic_diagnostics(run.path / it / "critic", k, echo)
+        critic_free = l_cfg.advantage in CRITIC_FREE  # label advantage gigpo: no critic stage (docs/policy.md)
+        if not critic_free:
+            run.run_stage(f"{it}/critic", critic, inputs=[f"{it}/labeled.parquet"], outputs=[f"{it}/critic"],
+                          config_hash=c_cfg.hash(), legacy_hash=c_cfg.legacy_hash(), iteration=k, echo=echo)
+            _echo_critic_diagnostics(run.path / it / "critic", k, echo)
 
-        def advantage(l_cfg=l_cfg, it=it):
+        def advantage(l_cfg=l_cfg, it=it, critic_free=critic_free):
             from qevolve_cli.labeling import label_tables
 
             return _scalars(label_tables([run.path / it / "labeled.parquet"], run.path / it / "advantages.parquet",
-                                         l_cfg, critic=run.path / it / "critic"))
+                                         l_cfg, critic=None if critic_free else run.path / it / "critic"))
 
-        run.run_stage(f"{it}/advantage", advantage, inputs=[f"{it}/labeled.parquet", f"{it}/critic"],
+        run.run_stage(f"{it}/advantage", advantage,
+                      inputs=[f"{it}/labeled.parquet"] + ([] if critic_free else [f"{it}/critic"]),
                       outputs=[f"{it}/advantages.parquet"], config_hash=l_cfg.hash(), iteration=k, echo=echo)
 
         p_cfg = cfg.stage("policy", k)

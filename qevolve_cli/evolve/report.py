@@ -302,7 +302,8 @@ def _plot_advantages(run: Path, out: Path) -> dict[str, Any]:
         k = t.parent.name
         stats[k] = {}
         for src in ("expert", "self"):
-            a = df.filter(pl.col("source") == src)["advantage"].to_numpy()
+            # (label --advantage gigpo gives the expert rows none: null, left out)
+            a = df.filter((pl.col("source") == src) & pl.col("advantage").is_not_null())["advantage"].to_numpy()
             if len(a):
                 ax.hist(a, bins=40, alpha=0.55, label=f"{src} (mean {a.mean():+.3f})", density=True)
                 stats[k][src] = {"mean": float(a.mean()), "positive_share": float((a > 0).mean()), "n": int(len(a))}

@@ -471,3 +471,94 @@ def tokenize_trajectories(df: pl.DataFrame, tokenizer_dir_or_obj: Any) -> pl.Dat
     if (got != out["seq_len"]).any():
         raise QevolveError("<table>: column 'seq_len': does not match this tokenizer (index with the same tokenizer)")
     return out
+
+
+# --------------------------------------------------------------------------- recent-turn windows (feature critic)
+
+def turn_windows(df: pl.DataFrame, tokenizer_dir_or_obj: Any, context_turns: int) -> dict[str, Any]:
+    """Each step's state as the head plus its last ``context_turns`` turns: sequences and positions.
+
+    The state of step t is ``head + a_j, o_{j+1}, ..., a_{t-1}, o_t`` with ``j = max(0, t - K)`` dropped
+    (assistant, user) pairs (K = ``context_turns`` >= 1; the head, as in :func:`truncate`, is the system
+    prompt, the in-context example and the task's message with o_0). Two steps of one task whose last K
+    turns are the same text get the same token sequence, and so the same frozen features: that is what
+    lets a critic pool equal states across trajectories (docs/critic.md, "The feature critic").
+
+    Consecutive steps with the same ``j`` (the first K + 1 steps) share one sequence, as windows do.
+    Returns ``sequences`` (list of int64 arrays) and, per row of ``sort_steps(df)`` order, ``rows`` (the
+    row's index in ``df``), ``s`` / ``sa`` / ``next`` ((sequence, position) int64 arrays (N, 2)) where
+    ``next`` is the state of step t + 1 in its own window (for the last step: a window of its own, ending
+    at o_T).
+    """
+    from qevolve_cli.schema import sort_steps
+
+    if context_turns < 1:
+        raise QevolveError(f"context_turns: must be >= 1 for turn windows, got {context_turns}")
+    _check_columns(df)
+    ix = _Indexer(tokenizer_dir_or_obj)
+    lay, head = ix.layout, ix.head
+    frame = sort_steps(df.with_row_index("_tw_row"))
+    offs = _traj_offsets(frame)
+    cols = {c: frame[c].to_list() for c in ("env", "instruction", "observation", "action", "next_observation")}
+    # per trajectory: groups (j, first step, last step) of steps sharing a window, plus the final state's
+    windows: list[list[dict]] = []
+    plans: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (row start, T, groups)
+    for a, b in zip(offs[:-1], offs[1:], strict=False):
+        a, b = int(a), int(b)
+        T = b - a
+        msgs = _messages(cols["env"][a], cols["instruction"][a], cols["observation"][a:b], cols["action"][a:b],
+                         cols["next_observation"][a:b], lay)
+        js = [max(0, t - context_turns) for t in range(T + 1)]  # T: the state after the last step
+        groups: list[tuple[int, int, int]] = []
+        for t, j in enumerate(js):
+            if groups and groups[-1][0] == j:
+                groups[-1] = (j, groups[-1][1], t)
+            else:
+                groups.append((j, t, t))
+        for j, _g0, g1 in groups:
+            # the window holds steps j .. min(g1, T - 1) through o_{last + 1}; state g1 = T ends at o_T
+            windows.append(_window_messages(msgs, head, j, min(g1, T - 1), lay))
+        plans.append((a, T, groups))
+    texts, ends, slow = [], [], []
+    for win in windows:
+        sp = ix.skel.splice([m["content"] for m in win])
+        slow.append(sp is None)
+        texts.append("" if sp is None else sp[0])
+        ends.append([] if sp is None else sp[1])
+    pos, eo, _lens, oks = ix.index_texts(texts, ends)
+    fast = [w for w in range(len(windows)) if not slow[w] and oks[w]]
+    fast_ids = pa.array(ix.rust.encode(pa.array([texts[w] for w in fast], pa.large_string()))).to_pylist()
+    ids_of = dict(zip(fast, fast_ids, strict=True))
+    seqs: list[np.ndarray] = []
+    prefix_ends: list[list[int]] = []
+    for w, win in enumerate(windows):
+        if w in ids_of:
+            prefix_ends.append([int(x) for x in pos[eo[w]:eo[w + 1]]])
+            seqs.append(np.asarray(ids_of[w], np.int64))
+        else:  # the exact slow path: every prefix rendered and tokenised
+            n_states = (len(win) - head) // 2  # pairs after the head
+            prefix_ends.append([_slow_len(ix.tok, win[: state_end(0, lay) + k + 1]) - 1 for k in range(2 * n_states + 1)])
+            seqs.append(np.asarray(ix.tok(_render(ix.tok, win), add_special_tokens=False)["input_ids"], np.int64))
+    n = frame.height
+    s = np.zeros((n, 2), np.int64)
+    sa = np.zeros((n, 2), np.int64)
+    nxt = np.zeros((n, 2), np.int64)
+    w = 0
+    for a, T, groups in plans:
+        state_ref: dict[int, tuple[int, int]] = {}
+        for j, g0, g1 in groups:
+            P = prefix_ends[w]
+            for t in range(g0, g1 + 1):
+                tt = t - j
+                state_ref[t] = (w, P[2 * tt])
+                if t < T:
+                    sa[a + t] = (w, P[2 * tt + 1])
+            w += 1
+        for t in range(T):
+            s[a + t] = state_ref[t]
+            nxt[a + t] = state_ref[t + 1]
+    for name, arr in (("s", s), ("sa", sa), ("next", nxt)):
+        bad = arr[:, 1] >= np.array([len(seqs[i]) for i in arr[:, 0]], np.int64) if n else np.zeros(0, bool)
+        if bad.any():
+            raise QevolveError(f"turn windows: a {name} position lies past its sequence (row {int(np.argmax(bad))})")
+    return {"sequences": seqs, "rows": frame["_tw_row"].to_numpy().astype(np.int64), "s": s, "sa": sa, "next": nxt}

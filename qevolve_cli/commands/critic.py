@@ -55,7 +55,15 @@ Examples:
   qevolve critic --data labeled.parquet --model bc/ --out c2/ --preset iter2 --steps-per-traj 4
   qevolve critic --data labeled.parquet --model bc/ --out c/ --set weighted=false   # ablation w/o W-IQL
   qevolve critic --data labeled.parquet --model bc/ --out c/ --epochs 60 --set early_stop_patience=4
+  qevolve critic --data labeled.parquet --model bc/ --out fc/ --set kind=features --set context_turns=1 \
+      --set time_input=steps_left --epochs 300   # heads on cached frozen features (seconds a run)
   qevolve label labeled.parquet --critic runs/it1/critic --out advantages.parquet
+
+--set kind=features trains the heads on cached frozen hidden states instead (one no-grad pass of
+the backbone, cached beside the table; docs/critic.md, "The feature critic"). Every run ends with
+the fit ladder on the critic's own training steps (terminal fit, TD residual, V along failed
+episodes; on the lamps environments the exact tabular fixed point and the step credit), and the
+warning names the first rung that fails (docs/critic.md, "The fit ladder").
 """
 
 
@@ -136,5 +144,14 @@ def register(app: typer.Typer) -> None:
                     f"last epoch loss_q {f.get('loss_q'):.4f}, loss_v {f.get('loss_v'):.4f}; "
                     f"{d.get('on', 'held-out')}: {summary_line(d)}; wrote {out}"
                 )
+                if d.get("fit_ladder"):
+                    from qevolve_cli.critic.ladder import ladder_line
+
+                    typer.echo(ladder_line(d["fit_ladder"]))
+                feats = summary.get("features")
+                if feats:
+                    how = "read from the cache" if feats.get("cached") else f"{feats.get('sequences')} sequences"
+                    typer.echo(f"features: layer {feats['layer']}, context_turns {feats['context_turns']}, {how} "
+                               f"in {feats['seconds']:.1f} s; heads trained in {summary['train_seconds']:.1f} s")
 
         run_command(body)

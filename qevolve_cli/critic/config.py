@@ -22,9 +22,33 @@ from qevolve_cli.rewards import CRITIC_REDUCTIONS
 class CriticConfig(ConfigBase):
     # added 2026-11-27 (time_*), 2026-11-28 (share_value_forward, shared_prefix), 2026-11-29 (window_context):
     # older runs resume
-    HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context")
+    # 2026-12-02 (kind, feature_*, context_turns, fit_ladder): older runs resume
+    HASH_OMIT_AT_DEFAULT = ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context",
+                            "kind", "feature_layer", "context_turns", "feature_batch_steps", "feature_eval_every",
+                            "fit_ladder")
     OPERATIONAL = ("checkpoint", "checkpoint_every_steps")
 
+    kind: str = field("lora", help="lora: LoRA adapters value / q / q_target on the backbone, trained through it "
+                                   "(the paper); features: the backbone runs once without gradients, its hidden "
+                                   "states are cached beside the table, and only the MLP heads train on them, "
+                                   "many epochs in seconds (docs/critic.md, 'The feature critic').",
+                      choices=("lora", "features"))
+    feature_layer: int = field(-1, help="kind features: the hidden-state layer the heads read (0 = embeddings, "
+                                        "-1 = the last, after the final norm; benchmarks/bench_probe.py measures "
+                                        "which layer holds the value).")
+    context_turns: int = field(0, help="kind features: what a state's features see. 0 = the whole transcript "
+                                       "(windows of max_length for long ones); K >= 1 = the task (system prompt, "
+                                       "example, first observation) plus the last K turns, so that equal recent "
+                                       "text gives equal features and the critic pools equal states across "
+                                       "trajectories (docs/critic.md, 'Pooling').", ge=0)
+    feature_batch_steps: int = field(256, help="kind features: steps per minibatch of the heads' updates.", ge=1)
+    feature_eval_every: int = field(10, help="kind features: held-out diagnostics (and early stopping) every N "
+                                             "epochs.", ge=1)
+    fit_ladder: bool = field(True, help="Score the critic's own training steps at the end and report the fit "
+                                        "ladder (terminal fit, TD residual, V along failures, and on environments "
+                                        "with a solver the tabular fixed point and the step credit; "
+                                        "docs/critic.md, 'The fit ladder'). The LoRA critic pays one more scoring "
+                                        "pass over its training trajectories for it.")
     # optimisation
     epochs: int = field(20, help="Passes over the trajectories (paper: 20 in iteration 1, 2 in iteration 2).", ge=1)
     lr: float = field(1e-5, help="Learning rate of the LoRA adapters (paper: 1e-5; 5e-6 in iteration 2 on SciWorld/WebShop).", gt=0)

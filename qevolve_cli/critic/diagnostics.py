@@ -349,6 +349,13 @@ def _below(x: float, thr: float) -> str:
 def verdict(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> list[str]:
     """The reasons (short phrases) why the diagnostics say the critic has not learned; [] = fine (or not
     judged: see :func:`caveats`)."""
+    from qevolve_cli.critic.ladder import ladder_problems
+
+    return ladder_problems(d.get("fit_ladder")) + heldout_verdict(d, thresholds)
+
+
+def heldout_verdict(d: dict[str, Any], thresholds: dict[str, float] | None = None) -> list[str]:
+    """The reasons of :func:`verdict` that come from the held-out figures alone (the fit ladder's apart)."""
     th = {**THRESHOLDS, **(thresholds or {})}
     judge_outcomes = not too_few(d, th)
     bad: list[str] = []
@@ -406,10 +413,20 @@ def verdict_text(d: dict[str, Any]) -> str:
     return "learned"
 
 
-def warning_line(d: dict[str, Any], where: str = "held-out", thresholds: dict[str, float] | None = None) -> str | None:
+def warning_line(d: dict[str, Any], where: str = "held-out", thresholds: dict[str, float] | None = None,
+                 extra: list[str] | None = None) -> str | None:
     """One line for stderr when the critic has not learned, or when the slice was too small to tell (None
-    when it looks fine)."""
-    bad, notes = verdict(d, thresholds), caveats(d, thresholds)
+    when it looks fine). ``extra``: the failing rungs of the fit ladder on the training data
+    (:func:`qevolve_cli.critic.ladder.ladder_problems`), named first: a critic that does not fit its own
+    data is not to be tuned on its held-out figures."""
+    from qevolve_cli.critic.ladder import ladder_problems
+
+    bad, notes = heldout_verdict(d, thresholds), caveats(d, thresholds)
+    extra = ladder_problems(d.get("fit_ladder")) if extra is None else extra
+    if extra:
+        held = f"; {where}: {'; '.join(bad)}" if bad else ""
+        return (f"warning: the critic has not learned (training data: {'; '.join(extra)}{held}): see "
+                "docs/critic.md#the-fit-ladder")
     if bad:
         also = f"; {notes[0]}" if notes else ""
         return (f"warning: the critic has not learned ({where}: {'; '.join(bad)}{also}): train longer (--epochs, "

@@ -52,15 +52,25 @@ def evaluate_items(trainer: Any, items: list[TrajItem], df: Any, cfg: CriticConf
     from the critic's V, and returns the metrics; ``full`` keeps the per-step curves and calibration
     bins (final diagnostics), else only scalars and the advantage groups (per-epoch metrics).
     """
+    if not items:
+        return {}
+    cols = trainer.score_items(items, df.height)
+    rows = np.unique(np.concatenate([it.rows for it in items]))
+    return diagnose_scored(df, cols, rows, cfg, full)
+
+
+def diagnose_scored(df: Any, cols: dict[str, np.ndarray], rows: np.ndarray, cfg: CriticConfig,
+                    full: bool = False) -> dict[str, Any]:
+    """The diagnostics of :func:`evaluate_items` from critic outputs already computed: ``cols`` (value,
+    next_value, q1, q2, q_value; arrays over all rows of ``df``) on the rows ``rows`` (whole trajectories).
+    Both critics (LoRA and feature) report through it."""
     import polars as pl
 
     from qevolve_cli import core
     from qevolve_cli.critic.diagnostics import diagnose
 
-    if not items:
+    if not len(rows):
         return {}
-    cols = trainer.score_items(items, df.height)
-    rows = np.unique(np.concatenate([it.rows for it in items]))
     keep = [c for c in ("traj_id", "step", "source", "success", "aux_kind", "reward_env", "reward_aux", "done")
             if c in df.columns]
     sub = df.select(keep).with_columns([pl.Series(k, v, pl.Float32) for k, v in cols.items()])[rows]

@@ -23,8 +23,13 @@ class CriticReranker:
     """A loaded critic + tokenizer; call :meth:`scores` / :meth:`best` per decision."""
 
     def __init__(self, critic_dir: str | Path, device: str = "auto"):
+        from qevolve_cli.critic.feature_critic import is_feature_critic
         from qevolve_cli.critic.score import load_critic
 
+        if is_feature_critic(critic_dir):
+            raise QevolveError(f"--critic {critic_dir}: a feature critic (kind: features) cannot rerank yet: "
+                               "train a LoRA critic (kind: lora) for eval --critic (docs/critic.md, 'The feature "
+                               "critic')")
         self.model, self.tokenizer = load_critic(critic_dir, device=device)
         if self.model.time_scale > 0:
             raise QevolveError(f"--critic {critic_dir}: a time-aware critic (time_input: "

@@ -25,7 +25,8 @@ from qevolve_cli.tokenizer import load_tokenizer, pad_id_of
 
 
 def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size: int = 8, device: str = "auto",
-                with_q: bool = True, max_length: int | None = None, progress: Any = None) -> pl.DataFrame:
+                with_q: bool = True, max_length: int | None = None, progress: Any = None,
+                feature_cache: str | Path | None = None) -> pl.DataFrame:
     """``df`` with ``value``, ``next_value`` (and ``q_value``) columns; row order kept.
 
     ``critic``: a critic directory (``qevolve critic --out``) or a loaded :class:`CriticModel`.
@@ -38,8 +39,11 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
     forwarded whole.
     """
 
+    from qevolve_cli.critic.feature_critic import FeatureCritic, is_feature_critic
     from qevolve_cli.critic.model import CriticModel
 
+    if isinstance(critic, FeatureCritic) or (not isinstance(critic, CriticModel) and is_feature_critic(critic)):
+        return _score_features(df, critic, tokenizer, device, with_q, feature_cache)
     model = critic if isinstance(critic, CriticModel) else CriticModel.load(critic, device=device)
     if tokenizer is None:
         if isinstance(critic, CriticModel):
@@ -57,6 +61,27 @@ def score_table(df: pl.DataFrame, critic: Any, tokenizer: Any = None, batch_size
     done = df["done"].to_numpy().astype(bool)
     next_value[done] = 0.0  # V(terminal) = 0
     cols = [pl.Series("value", value, pl.Float32), pl.Series("next_value", next_value, pl.Float32)]
+    if with_q:
+        cols.append(pl.Series("q_value", got["q_value"], pl.Float32))
+    return df.with_columns(cols)
+
+
+def _score_features(df: pl.DataFrame, critic: Any, tokenizer: Any, device: str, with_q: bool,
+                    feature_cache: str | Path | None) -> pl.DataFrame:
+    """:func:`score_table` for a feature critic (``kind: features``): the table's features (read from
+    ``feature_cache`` when the critic stage made them), then the heads."""
+    from qevolve_cli.critic.feature_critic import FeatureCritic
+    from qevolve_cli.device import resolve_device
+
+    fc = critic if isinstance(critic, FeatureCritic) else FeatureCritic.load(critic)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(critic if not isinstance(critic, FeatureCritic) else fc.base_path,
+                                   require_chat_template=True)
+    feats, _info = fc.features(df, tokenizer, cache_dir=feature_cache, device=resolve_device(device))
+    got = fc.score_features(feats, df)
+    next_value = got["next_value"]
+    next_value[df["done"].to_numpy().astype(bool)] = 0.0  # V(terminal) = 0
+    cols = [pl.Series("value", got["value"], pl.Float32), pl.Series("next_value", next_value, pl.Float32)]
     if with_q:
         cols.append(pl.Series("q_value", got["q_value"], pl.Float32))
     return df.with_columns(cols)

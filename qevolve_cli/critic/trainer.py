@@ -349,6 +349,10 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     resumes from it when called again with the same configuration, data and launch: mid-epoch at the
     next batch, with the same batch order and step draws.
     """
+    if cfg.kind == "features":
+        from qevolve_cli.critic.feature_critic import train_feature_critic
+
+        return train_feature_critic(cfg, data, model, out, tokenizer=tokenizer, progress=progress, resume=resume)
     out = Path(out)
     t_start = time.perf_counter()
     df, source = load_table(data)
@@ -468,6 +472,17 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
         diagnostics = {"on": "train", **evaluate_items(trainer, items, df, cfg, full=True)}
     from qevolve_cli.critic.diagnostics import caveats, verdict, warning_line
 
+    if cfg.fit_ladder:  # the critic on its own training steps (docs/critic.md, "The fit ladder")
+        from qevolve_cli.critic.data import step_weights_for
+        from qevolve_cli.critic.ladder import fit_ladder
+
+        cols = trainer.score_items(items, df.height)
+        reward = df["reward_env"].to_numpy().astype(np.float32)
+        if cfg.shaping:
+            reward = reward + df["reward_aux"].to_numpy().astype(np.float32)
+        train_rows = np.unique(np.concatenate([it.rows[it.usable] for it in items]))
+        diagnostics["fit_ladder"] = fit_ladder(df, cols, train_rows, reward, step_weights_for(df, cfg), cfg,
+                                               source=source)
     diagnostics["problems"] = verdict(diagnostics)
     diagnostics["caveats"] = caveats(diagnostics)  # what the slice was too small to judge
     warning = warning_line(diagnostics, "held-out" if heldout else "training data, nothing held out")

@@ -1,0 +1,206 @@
+"""Frozen backbone features of a table's states, computed once and cached (the feature critic's input).
+
+One no-grad pass of the frozen base model over the table's sequences writes, for every step, the hidden
+state of one layer at three positions: the end of the state ``s_t`` (``h_s``), of the state-action
+``(s_t, a_t)`` (``h_sa``) and of the next state ``s_{t+1}`` (``h_next``). What a state's sequence holds is
+the *view* (``context_turns``):
+
+* ``0``: the whole transcript (the LoRA critic's input; long trajectories in the windows of
+  :func:`qevolve_cli.critic.data.build_items`), one forward per trajectory;
+* ``K >= 1``: the head (system prompt, example, task with o_0) plus the last K turns
+  (:func:`qevolve_cli.prefix.turn_windows`), one forward per step window. Equal recent text gives equal
+  features, so a critic on them pools equal states across trajectories.
+
+The features are cached in ``cache_dir`` under a key of the table's content (the columns the sequences are
+made of), the model's weights, the layer and the view (:func:`feature_key`), so a second run on the same
+table (the critic stage, then ``label --critic``) reads them back instead of running the backbone again.
+The cache file is written atomically (safetensors).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from qevolve_cli.errors import QevolveError
+
+FEATURE_FORMAT = "qevolve-features/1"
+TEXT_COLUMNS = ("traj_id", "env", "step", "instruction", "observation", "action", "next_observation")
+
+
+def table_fingerprint(df: pl.DataFrame) -> str:
+    """sha256 of the columns a state's sequence is made of, in the table's row order."""
+    h = hashlib.sha256()
+    for c in TEXT_COLUMNS:
+        if c in df.columns:
+            h.update(c.encode())
+            h.update("\x1f".join("\0" if x is None else str(x) for x in df[c].to_list()).encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """sha256 of a model directory's config and weight files (their bytes; weights over 64 MiB by size and the
+    first and last MiB, which is enough to tell checkpoints apart and costs no full read)."""
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin"))
+    for p in files:
+        if p.name.startswith("tokenizer") or p.name in ("special_tokens_map.json", "chat_template.json"):
+            continue
+        h.update(p.name.encode())
+        size = p.stat().st_size
+        h.update(str(size).encode())
+        with p.open("rb") as f:
+            if size <= 64 << 20:
+                h.update(f.read())
+            else:
+                h.update(f.read(1 << 20))
+                f.seek(size - (1 << 20))
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def feature_key(table_fp: str, model_fp: str, layer: int, context_turns: int, max_length: int | None,
+                window_context: float, dtype: str) -> str:
+    spec = {"format": FEATURE_FORMAT, "table": table_fp, "model": model_fp, "layer": layer,
+            "context_turns": context_turns, "max_length": max_length if context_turns == 0 else None,
+            "window_context": window_context if context_turns == 0 else None, "dtype": dtype}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def state_sequences(df: pl.DataFrame, tokenizer: Any, context_turns: int, max_length: int | None,
+                    window_context: float) -> dict[str, Any]:
+    """Sequences and, per row of ``df``, the (sequence, position) of s_t, (s_t, a_t) and s_{t+1}.
+
+    Returns ``sequences`` (list of int64 arrays) and ``s``, ``sa``, ``next`` ((n_rows, 2) int64, indexed by
+    ``df``'s row order)."""
+    n = df.height
+    if context_turns >= 1:
+        from qevolve_cli.prefix import turn_windows
+
+        tw = turn_windows(df, tokenizer, context_turns)
+        out = {k: np.zeros((n, 2), np.int64) for k in ("s", "sa", "next")}
+        for k in out:
+            out[k][tw["rows"]] = tw[k]
+        return {"sequences": tw["sequences"], **out}
+    from qevolve_cli.critic.data import build_items
+
+    items = build_items(df, tokenizer, max_length, time_column="step", window_context=window_context)
+    out = {k: np.zeros((n, 2), np.int64) for k in ("s", "sa", "next")}
+    for i, it in enumerate(items):
+        for k, pos in (("s", it.pos_s), ("sa", it.pos_sa), ("next", it.pos_next)):
+            out[k][it.rows, 0] = i
+            out[k][it.rows, 1] = pos
+    return {"sequences": [it.input_ids for it in items], **out}
+
+
+def resolve_layer(layer: int, n_layers: int) -> int:
+    """Index into ``output_hidden_states`` (0 = embeddings, n_layers = the last layer after the final norm)."""
+    idx = layer if layer >= 0 else n_layers + 1 + layer
+    if not 0 <= idx <= n_layers:
+        raise QevolveError(f"feature_layer: {layer} is out of range for a model of {n_layers} layers "
+                           f"(0 .. {n_layers}, or -1 for the last)")
+    return idx
+
+
+def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str = "cpu",
+            dtype: str = "float32", progress: Any = None, prefix: bool | None = None) -> dict[str, np.ndarray]:
+    """Hidden states of layer ``layer`` at every requested position: ``h_s``, ``h_sa``, ``h_next`` (n_rows, d)
+    float32. One no-grad forward per sequence; the prefix every sequence shares (system prompt and example)
+    is computed once and each sequence's rest runs on its keys and values, on models where that pays
+    (:func:`qevolve_cli.models.kv.prefix_pays`; ``prefix`` True / False forces it on or off)."""
+    import torch
+
+    from qevolve_cli.critic.model import _load_base
+    from qevolve_cli.models.kv import cache_kwarg, cache_layers, cache_of_layers, out_cache, prefix_pays
+
+    dev = torch.device(device)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    base = _load_base(model_dir, dt, dev)
+    dec = getattr(base, base.base_model_prefix)
+    n_layers = int(base.config.num_hidden_layers)
+    li = resolve_layer(layer, n_layers)
+    sequences: list[np.ndarray] = seqs["sequences"]
+    # positions wanted per sequence
+    wanted: list[list[tuple[str, int, int]]] = [[] for _ in sequences]
+    for name in ("s", "sa", "next"):
+        for row, (si, p) in enumerate(seqs[name]):
+            wanted[int(si)].append((name, row, int(p)))
+    n_rows = len(seqs["s"])
+    d = int(base.config.hidden_size)
+    out = {f"h_{k}": np.zeros((n_rows, d), np.float32) for k in ("s", "sa", "next")}
+    used = [i for i, w in enumerate(wanted) if w]
+    P = 0
+    if len(used) > 1 and (prefix_pays(base) if prefix is None else prefix):
+        first = sequences[used[0]]
+        P = min(len(sequences[i]) for i in used) - 1
+        for i in used[1:]:
+            s = sequences[i]
+            neq = np.flatnonzero(s[:P] != first[:P])
+            P = min(P, int(neq[0]) if len(neq) else P)
+        P = min(P, min(p for i in used for _n, _r, p in wanted[i]))  # every read position is past the prefix
+        P = P if P >= 16 else 0
+    kw = cache_kwarg(dec)
+    with torch.no_grad():
+        pre = None
+        if P:
+            o = dec(input_ids=torch.as_tensor(sequences[used[0]][:P], device=dev).unsqueeze(0), use_cache=True,
+                    output_hidden_states=True)
+            pre = cache_layers(out_cache(o))
+        for done, i in enumerate(used):
+            ids = torch.as_tensor(sequences[i], device=dev).unsqueeze(0)
+            if pre is not None:
+                o = dec(input_ids=ids[:, P:], use_cache=True, output_hidden_states=True, **{kw: cache_of_layers(pre)})
+                off = P
+            else:
+                o = dec(input_ids=ids, use_cache=False, output_hidden_states=True)
+                off = 0
+            h = o.hidden_states[li][0].float()
+            idx = torch.as_tensor([p - off for _n, _r, p in wanted[i]], device=dev)
+            got = h.index_select(0, idx).cpu().numpy()
+            for (name, row, _p), vec in zip(wanted[i], got, strict=True):
+                out[f"h_{name}"][row] = vec
+            if progress is not None and (done % 64 == 63 or done == len(used) - 1):
+                progress(done + 1, len(used))
+    return out
+
+
+def cached_features(df: pl.DataFrame, tokenizer: Any, model_dir: str | Path, *, layer: int, context_turns: int,
+                    max_length: int | None, window_context: float, device: str = "cpu", dtype: str = "float32",
+                    cache_dir: str | Path | None = None, progress: Any = None) -> tuple[dict[str, np.ndarray], dict]:
+    """The features of ``df`` (:func:`extract`), read from ``cache_dir`` when a run made them before.
+
+    Returns (features, info) with info = ``key``, ``cached`` (read back), ``seconds`` of the pass,
+    ``sequences``, ``tokens`` and ``bytes`` of the cache file."""
+    import time
+
+    from safetensors.numpy import load_file, save_file
+
+    t0 = time.perf_counter()
+    key = feature_key(table_fingerprint(df), model_fingerprint(model_dir), layer, context_turns, max_length,
+                      window_context, dtype)
+    path = Path(cache_dir) / f"features-{key}.safetensors" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        got = load_file(str(path))
+        if all(f"h_{k}" in got for k in ("s", "sa", "next")) and len(got["h_s"]) == df.height:
+            return got, {"key": key, "cached": True, "seconds": round(time.perf_counter() - t0, 3),
+                         "bytes": path.stat().st_size, "path": str(path)}
+    seqs = state_sequences(df, tokenizer, context_turns, max_length, window_context)
+    feats = extract(model_dir, seqs, layer, device, dtype, progress)
+    info = {"key": key, "cached": False, "sequences": len(seqs["sequences"]),
+            "tokens": int(sum(len(s) for s in seqs["sequences"]))}
+    if path is not None:
+        from qevolve_cli.atomic import atomic_path
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file(feats, str(tmp), metadata={"format": FEATURE_FORMAT, "layer": str(layer),
+                                                 "context_turns": str(context_turns)})
+        info["bytes"] = path.stat().st_size
+        info["path"] = str(path)
+    info["seconds"] = round(time.perf_counter() - t0, 3)
+    return feats, info

@@ -56,12 +56,103 @@ def test_validation_tasks_are_the_last_train_tasks():
     from qevolve_cli.envs.splits import list_tasks
 
     train = [t.task_id for t in list_tasks("lamps", "train")]
-    tasks, disjoint = S.validation_tasks("lamps", 40, 60)
-    assert [t.task_id for t in tasks] == train[-40:] and disjoint
-    assert S.validation_tasks("lamps", 40, len(train) - 39)[1] is False
-    assert S.validation_tasks("lamps", 40, 0)[1] is False  # 0 = every train task is used
-    with pytest.raises(ConfigError, match="validation_tasks"):
-        S.validation_tasks("lamps", len(train) + 1, 0)
+    assert [t.task_id for t in S.validation_tasks("lamps", 40)] == train[-40:]
+    val, rest = S.carve("lamps", 40)
+    assert [t.task_id for t in rest] == train[:-40] and [t.task_id for t in val] == train[-40:]
+    # a first N is taken from the tasks before the validation ones; the count says how many validation tasks the
+    # first N of the whole split held (the tasks left out: 0 = the same tasks as without validation)
+    assert ([t.task_id for t in S.training_tasks("lamps", 40, 60)[0]], S.training_tasks("lamps", 40, 60)[1]) == \
+        (train[:60], 0)
+    assert S.training_tasks("lamps", 40, len(train) - 39)[1] == 1
+    tasks, held = S.training_tasks("lamps", 40, 0)  # 0 = every train task
+    assert [t.task_id for t in tasks] == train[:-40] and held == 40
+    assert S.training_tasks("lamps", 40, len(train) + 5) == (rest, 40)
+    for n in (len(train), len(train) + 1):  # nothing left to train on
+        with pytest.raises(ConfigError, match="validation_tasks"):
+            S.validation_tasks("lamps", n)
+    assert S.held_out_hash("abc", 40, 0) == "abc" != S.held_out_hash("abc", 40, 1) != S.held_out_hash("abc", 41, 1)
+
+
+ENV_PRESETS = [(e, p) for e in ("lamps", "lamps-hard", "lamps-habit", "textcraft", "alfworld", "sciworld", "webshop")
+               for p in ("paper", "smoke", "cpu", "cpu-smol")]
+
+
+@pytest.mark.parametrize("env,preset", ENV_PRESETS)
+def test_validation_is_disjoint_from_the_training_tasks_on_every_env_and_preset(env, preset):
+    """With --select-on-validation the tasks the expert stage demonstrates and every iteration's rollouts play hold
+    no validation task, on every environment and preset; the held-out counts are what the first N held before
+    (TextCraft cpu and every paper preset: all 40, the expert data using every train task). The stage hashes
+    change exactly where the tasks do; without selection the tasks and hashes are as before."""
+    from qevolve_cli.envs.splits import list_tasks, task_order_tag
+    from qevolve_cli.evolve.loop import _expert_hash, _h, expert_tasks, rollout_tasks, validation_of
+
+    base = {"model": "some/model"} if preset == "paper" else {}
+    cfg = resolve(env, preset, None, {**base, "select_on_validation": True})
+    val, disjoint = validation_of(cfg)
+    val_ids = {t.task_id for t in val}
+    assert len(val_ids) == cfg.validation_tasks == 40 and disjoint is True
+    train = list_tasks(env, "train")
+    assert {t.task_id for t in train[-40:]} == val_ids  # the last train tasks, never a test split's
+
+    def ids(ts):
+        return [t.task_id for t in ts]
+
+    plain = cfg.replace(select_on_validation=False)
+    for limit, (tasks, held), (old, old_held) in (
+            [(cfg.expert_limit, expert_tasks(cfg), expert_tasks(plain))]
+            + [(cfg.stage("rollout", k).max_tasks, rollout_tasks(cfg, k), rollout_tasks(plain, k))
+               for k in range(1, cfg.iters + 1)]):
+        assert not val_ids & set(ids(tasks)), (env, preset, limit)
+        assert old_held == 0 and ids(old) == ids(train[:limit] if limit else train)  # without selection: as before
+        assert held == len(val_ids & set(ids(old)))  # the validation tasks the old first N held
+        assert ids(tasks) == (ids(old) if not held else [i for i in ids(train) if i not in val_ids][:limit or None])
+    if (env, preset) == ("textcraft", "cpu") or preset == "paper":  # the expert data used every train task
+        assert expert_tasks(cfg)[1] == 40 and val_ids <= set(ids(expert_tasks(plain)[0]))
+    # hashes: without selection the old formula; with it, a new one only where the expert tasks changed
+    tag = task_order_tag(env, cfg.expert_limit)
+    old_hash = _h(env, cfg.expert_limit, *([tag] if tag else []))
+    assert _expert_hash(plain) == old_hash
+    assert (_expert_hash(cfg, expert_tasks(cfg)[1]) == old_hash) == (expert_tasks(cfg)[1] == 0)
+
+
+def test_a_configuration_that_cannot_be_disjoint_is_refused(tmp_path):
+    """Validation tasks that would leave no train task, or an expert_data table made only of validation tasks, are
+    refused with one line naming the field (the CLI exits 2)."""
+    from qevolve_cli.envs.splits import list_tasks
+
+    n = len(list_tasks("lamps", "train"))
+    with pytest.raises(ConfigError, match=rf"^--validation-tasks: {n} validation tasks leave none of the {n} "):
+        resolve("lamps", "smoke", None, {"select_on_validation": True, "validation_tasks": n})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"select_on_validation: true\nvalidation_tasks: {n}\n")
+    with pytest.raises(ConfigError, match=rf"bad.yaml: field 'validation_tasks': {n} validation tasks leave none"):
+        resolve("lamps", "smoke", bad, {})
+    resolve("lamps", "smoke", None, {"validation_tasks": n})  # without selection the field is not used
+    r = run_qevolve("evolve", "--env", "lamps", "--preset", "smoke", "--config", bad, "--run-dir", tmp_path / "r",
+                    "--quiet", timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "validation_tasks" in r.stderr, r.stderr
+    # an expert table of validation tasks only: nothing left to train on
+    import polars as pl
+
+    from qevolve_cli.errors import TableError
+    from qevolve_cli.evolve.loop import _expert_without_validation
+    from qevolve_cli.evolve.rundir import RunDir
+
+    cfg = resolve("lamps", "smoke", None, {"select_on_validation": True, "validation_tasks": 2})
+    val = {t.task_id for t in S.validation_tasks("lamps", 2)}
+    df = pl.DataFrame({"task_id": sorted(val) * 2, "step": [0, 0, 1, 1]})
+    with pytest.raises(ConfigError, match="x.parquet: field 'task_id': every row"):
+        _expert_without_validation(cfg, RunDir(tmp_path), Path("x.parquet"), df, val, lambda m: None)
+    kept, rows, tasks = S.drop_validation_rows(df.vstack(pl.DataFrame({"task_id": ["lamps:other"], "step": [0]})), val)
+    assert (kept["task_id"].to_list(), rows, tasks) == (["lamps:other"], 4, 2)
+    # a training table with a validation task is named with its column
+    (tmp_path / "ok.parquet").write_bytes(b"")
+    kept.write_parquet(tmp_path / "ok.parquet")
+    df.write_parquet(tmp_path / "bad.parquet")
+    S.check_disjoint([tmp_path / "ok.parquet"], val, "fix it")
+    with pytest.raises(TableError, match=r"bad.parquet: column 'task_id': 4 rows of 2 validation task\(s\) in a "
+                       "training table; fix it"):
+        S.check_disjoint([tmp_path / "ok.parquet", tmp_path / "bad.parquet"], val, "fix it")
 
 
 def test_evolve_and_compare_configs_check_the_grids():
@@ -111,7 +202,10 @@ def test_selection_reads_no_test_split(tmp_path):
         import polars as pl
 
         ids = pl.read_parquet(run / prefix / "cand_base" / "val.parquet")["task_id"].unique().to_list()
-        assert sorted(ids) == sorted(t.task_id for t in S.validation_tasks("lamps", 2, 0)[0])
+        assert sorted(ids) == sorted(t.task_id for t in S.validation_tasks("lamps", 2))
+    val_ids = {t.task_id for t in S.validation_tasks("lamps", 2)}  # in no training table
+    for t in ["expert.parquet"] + [f"iter_{k}/{n}.parquet" for k in (1, 2) for n in ("rollout", "labeled", "advantages")]:
+        assert not set(pl.read_parquet(run / t, columns=["task_id"])["task_id"]) & val_ids, t
     log.unlink()
     sets = ["--set", "rft_candidates=[{}, {epochs: 2}]", "--set", "eto_candidates=[{}, {lr: 5}]",
             "--set", "arms=[sft, rft, eto, qevolve, qevolve_oracle_v]"]
@@ -176,6 +270,74 @@ def test_selection_reads_no_test_split(tmp_path):
     r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--set", "rft_candidates=[{}]",
                     "--out", tmp_path / "c2", "--quiet", timeout=300, env=env)
     assert r.returncode == 2 and "rft_candidates': 1 candidates but the run chose" in r.stderr
+
+
+@pytest.mark.slow
+def test_no_validation_task_in_any_training_table(tmp_path):
+    """A real evolve (tiny model, lamps) with selection on an external expert table that holds the validation tasks
+    (as every paper preset's expert data does, and TextCraft cpu's): their rows are dropped, said in the output and
+    the manifest, and no training table (expert, rollouts, labels, advantages) holds a validation task; every
+    selection record, the run's and compare's, says disjoint. A comparison of a run whose tables hold them, and a
+    resume of a run that trained on them, are refused with one line."""
+    import polars as pl
+
+    from qevolve_cli import schema
+    from qevolve_cli.envs.expert import collect_expert
+    from qevolve_cli.envs.splits import list_tasks
+
+    val_ids = {t.task_id for t in S.validation_tasks("lamps", 2)}
+    train = list_tasks("lamps", "train")
+    ext = tmp_path / "expert_all.parquet"
+    schema.write_table(collect_expert("lamps", "train", tasks=train[:3] + train[-2:]), ext, producer="test")
+    ext_df = pl.read_parquet(ext)
+    val_rows = ext_df.filter(pl.col("task_id").is_in(sorted(val_ids))).height
+    assert val_rows and set(ext_df["task_id"]) >= val_ids
+    cfg = tmp_path / "sel.yaml"
+    cfg.write_text("select_on_validation: true\nvalidation_tasks: 2\nbc_candidates: [{}, {epochs: 2}]\n"
+                   "policy_candidates: [{}, {lr: 0.5}]\n")
+    run = tmp_path / "run"
+    args = ("evolve", "--env", "lamps", "--preset", "smoke", "--iters", "1", "--config", cfg, "--expert", ext,
+            "--run-dir", run, "--quiet")
+    r = run_qevolve(*args, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"[select] expert: {val_rows} rows of 2 validation tasks dropped from {ext}" in r.stderr, r.stderr[-3000:]
+    man = json.loads((run / "manifest.json").read_text())["stages"]
+    assert man["expert"]["metrics"]["validation_rows_dropped"] == val_rows
+    assert man["expert"]["metrics"]["validation_tasks_dropped"] == 2
+    assert man["iter_1/rollout"]["metrics"]["validation_tasks_held_out"] == 0  # its first 2 tasks: none of them
+    tables = ["expert.parquet", "iter_1/rollout.parquet", "iter_1/labeled.parquet", "iter_1/advantages.parquet"]
+    for t in tables:
+        ids = set(pl.read_parquet(run / t, columns=["task_id"])["task_id"])
+        assert ids and not ids & val_ids, t
+    assert pl.read_parquet(run / "expert.parquet").height == ext_df.height - val_rows
+    for stage in ("bc", "iter_1/policy"):
+        sel = man[stage]["metrics"]["selection"]
+        assert sel["disjoint"] is True and sel["validation_tasks"] == 2
+    # compare: every selection record says disjoint
+    sets = ["--set", "rft_candidates=[{}, {epochs: 2}]", "--set", "arms=[sft, rft, qevolve]"]
+    r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--select-only", *sets, "--quiet",
+                    timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sel = json.loads(r.stdout)["selection"]
+    assert all(sel[a]["disjoint"] is True for a in ("sft", "rft", "qevolve"))
+    assert all(s["disjoint"] is True for s in sel["qevolve_iterations"])
+    # a run whose expert table holds validation tasks (made before they were carved out): compare refuses it
+    kept = run / "expert.kept.parquet"
+    os.replace(run / "expert.parquet", kept)
+    (run / "expert.parquet").write_bytes(ext.read_bytes())
+    r = run_qevolve("compare", "--run-dir", run, "--select-on-validation", "--select-only", *sets, "--out",
+                    tmp_path / "c2", "--quiet", timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"expert.parquet: column 'task_id': {val_rows} rows of 2 validation task(s) in a training table" in r.stderr
+    os.replace(kept, run / "expert.parquet")
+    # a run whose BC trained on the external table as it was (no stage dropped its rows): resume refused
+    m = json.loads((run / "manifest.json").read_text())
+    del m["stages"]["expert"]
+    (run / "manifest.json").write_text(json.dumps(m))
+    r = run_qevolve(*args, "--resume", timeout=300)
+    err = r.stderr.strip().splitlines()[-1]  # after the [skip] of the base model
+    assert r.returncode == 2 and err.startswith("error: ") and r.stderr.count("error") == 1, r.stderr
+    assert f"stage 'bc' was done on {ext} with its {val_rows} rows of validation tasks" in err
 
 
 def test_below_start_warns_when_every_step_from_the_start_lost_on_validation():

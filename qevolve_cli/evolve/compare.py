@@ -284,15 +284,26 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
             if arm in ccfg.arms and len(grid) != n_cand:
                 raise QevolveError(f"compare config: field '{arm}_candidates': {len(grid)} candidates but the run "
                                    f"chose BC and its policy steps among {n_cand}: every arm gets the same number")
-        selections["sft"] = evolve_run.stages.get("bc", {}).get("metrics", {}).get("selection")
-        if k_last:
-            selections["qevolve"] = evolve_run.stages.get(f"iter_{k_last}/policy", {}).get("metrics", {}).get(
-                "selection")
-            selections["qevolve_iterations"] = [
-                evolve_run.stages.get(f"iter_{k}/policy", {}).get("metrics", {}).get("selection")
-                for k in range(1, k_last + 1)]
-        val_tasks, _disjoint = validation_of(ecfg)
+        val_tasks = validation_of(ecfg)[0]
         v_cfg = validation_config(ecfg, 1)
+        # every arm trains on the run's tables: none may hold a validation task (a run made before they were
+        # carved out is refused), so every selection record, the run's own included, says disjoint
+        from qevolve_cli.evolve.select import check_disjoint
+
+        check_disjoint([expert] + [run / f"iter_{k}" / "rollout.parquet" for k in range(1, max(k_last, 1) + 1)
+                                   if (run / f"iter_{k}" / "rollout.parquet").exists()],
+                       {t.task_id for t in val_tasks}, "the evolve run was made before validation tasks were carved "
+                       "out of its training data: make it again with `qevolve evolve --select-on-validation` in a "
+                       "new --run-dir")
+
+        def run_selection(stage: str) -> dict[str, Any] | None:
+            rec = evolve_run.stages.get(stage, {}).get("metrics", {}).get("selection")
+            return {**rec, "disjoint": True} if rec else rec
+
+        selections["sft"] = run_selection("bc")
+        if k_last:
+            selections["qevolve"] = run_selection(f"iter_{k_last}/policy")
+            selections["qevolve_iterations"] = [run_selection(f"iter_{k}/policy") for k in range(1, k_last + 1)]
 
     # ---- training arms
     policies: dict[str, Path] = {"zero_shot": base, "sft": bc, "best_of_n": bc}
@@ -328,16 +339,24 @@ def _run_compare(run: Path, ccfg: CompareConfig | None, out: str | Path | None, 
     if "rft_2" in ccfg.arms:
         # round 2: the RFT policy plays the train tasks as Q-Evolve's iteration 2 does (its rollout config),
         # then RFT from the base model on the expert table and those rollouts' successes
+        # (a run that selects on validation: the train tasks before the validation ones, as its own rollouts)
+        from qevolve_cli.evolve.loop import rollout_tasks
+        from qevolve_cli.evolve.select import held_out_hash
+
         r2_roll = ecfg.stage("rollout", 2).replace(split="train")
+        r2_tasks, r2_held = rollout_tasks(ecfg, 2) if ecfg.select_on_validation else (None, 0)
 
         def rft_rollout(r2_roll=r2_roll):
             from qevolve_cli.rollout.loop import run_rollout
 
-            res = run_rollout(r2_roll, policies["rft"], rollout_2, resume=True, producer="qevolve compare: rft_2")
-            return {"trajectories": res.table["traj_id"].n_unique(), "env_steps": res.table.height}
+            res = run_rollout(r2_roll, policies["rft"], rollout_2, resume=True, producer="qevolve compare: rft_2",
+                              tasks=r2_tasks)
+            held = {"validation_tasks_held_out": r2_held} if r2_tasks is not None else {}
+            return {"trajectories": res.table["traj_id"].n_unique(), "env_steps": res.table.height, **held}
 
         crun.run_stage("rft_2/rollout", rft_rollout, inputs=[str(policies["rft"])], outputs=["rft_2/rollout.parquet"],
-                       config_hash=r2_roll.hash(), iteration=2, echo=echo)
+                       config_hash=held_out_hash(r2_roll.hash(), ecfg.validation_tasks, r2_held), iteration=2,
+                       echo=echo)
         policies["rft_2"] = rft_arm("rft_2", "rft_2/train", [str(expert), str(rollout_2)], 2)
     eto_note = None
     if "eto" in ccfg.arms and not (info := eto_pairs(ccfg.eto_config(ecfg), data))["pairs"]:

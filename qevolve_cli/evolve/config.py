@@ -76,7 +76,8 @@ class EvolveConfig(ConfigBase):
                                        "policy_candidates (each iteration's policy step) and keep the one with the "
                                        "highest greedy reward on the validation tasks (docs/compare.md).")
     validation_tasks: int = field(40, help="--select-on-validation: the last N tasks of the train split (never a "
-                                  "test split) are the validation tasks.", ge=1)
+                                  "test split) are the validation tasks, left out of the expert data, the rollouts "
+                                  "and an expert_data table (its rows of them dropped).", ge=1)
     bc_candidates: list[dict[str, float]] = field(default_factory=lambda: [dict(c) for c in DEFAULT_BC_CANDIDATES],
                                                   help="--select-on-validation: BC candidates, multipliers of the bc "
                                                   "stage's fields ({} = the stage itself; epochs, lr).")
@@ -116,6 +117,13 @@ class EvolveConfig(ConfigBase):
         if self.select_on_validation and len(self.bc_candidates) != len(self.policy_candidates):
             raise ConfigError(source, prefix + "policy_candidates", f"{len(self.policy_candidates)} candidates but "
                               f"bc_candidates has {len(self.bc_candidates)}: every arm gets the same number")
+        if self.select_on_validation:  # validation is carved out of the train split: something must be left
+            from qevolve_cli.evolve.select import carve
+
+            try:
+                carve(self.env, self.validation_tasks)
+            except ConfigError as e:
+                raise ConfigError(source, prefix + "validation_tasks", e.problem) from None
         for i, it in enumerate(self.iterations):
             unknown = sorted(set(it) - set(STAGE_SECTIONS))
             if unknown:

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qevolve_cli.errors import QevolveError
+from qevolve_cli.errors import ConfigError, QevolveError
 from qevolve_cli.evolve.config import EvolveConfig
 from qevolve_cli.evolve.rundir import RunDir, make_sinks
 from qevolve_cli.evolve.rundir import scalars as _scalars  # noqa: F401 - re-exported (compare, benchmarks)
+from qevolve_cli.evolve.select import held_out_hash
 from qevolve_cli.rewards import CRITIC_FREE
 
 
@@ -45,7 +46,11 @@ class Plan:
         return "base_model" if self.cfg.init_model else (self.cfg.start_policy or "")
 
     def expert(self) -> str:
-        return self.cfg.expert_data or "expert.parquet"
+        """The expert table the stages train on: the run's ``expert.parquet`` (collected, or under
+        --select-on-validation the ``expert_data`` table less its rows of validation tasks), else ``expert_data``."""
+        if self.cfg.expert_data and not self.cfg.select_on_validation:
+            return self.cfg.expert_data
+        return "expert.parquet"
 
     def policy(self, k: int) -> str:
         if k == 0:
@@ -74,7 +79,12 @@ class Plan:
             else:
                 lines.append(f"qevolve init-model --out base_model --arch {arch} --size {size} --seed {c.seed}")
         base = q(self.base_model())
-        if not c.expert_data:
+        if c.select_on_validation:
+            lines.append(f"# --select-on-validation: the last {c.validation_tasks} train tasks are validation tasks, "
+                         "left out of the expert data and the rollouts below (docs/compare.md, \"Fair selection\")")
+        if c.expert_data and c.select_on_validation:
+            lines.append(f"# expert.parquet = {c.expert_data} without its rows of validation tasks")
+        elif not c.expert_data:
             lim = f" --limit {c.expert_limit}" if c.expert_limit else ""
             lines.append(f"qevolve expert --env {c.env} --split train{lim} --workers {c.expert_workers} --out expert.parquet")
         if not c.start_policy:
@@ -260,25 +270,39 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
     if cfg.model and not Path(cfg.model).is_dir():
         raise QevolveError(f"--model {cfg.model}: no such model directory")
 
-    # ---- expert data
+    # ---- expert data (--select-on-validation: the validation tasks carved out first, docs/compare.md)
     expert = P(plan.expert())
+    val_ids = {t.task_id for t in validation_of(cfg)[0]} if cfg.select_on_validation else set()
     if cfg.expert_data:
         from qevolve_cli import schema
 
-        schema.read_table(expert)  # validate early, with a one-line error
+        ext = P(cfg.expert_data)
+        df = schema.read_table(ext)  # validate early, with a one-line error
+        if cfg.select_on_validation:
+            _expert_without_validation(cfg, run, ext, df, val_ids, echo)
     else:
+        e_tasks, e_held = expert_tasks(cfg)
+
         def collect():
             from qevolve_cli import schema
             from qevolve_cli.envs.expert import collect_expert
 
             stats: dict[str, Any] = {}
-            df = collect_expert(cfg.env, "train", limit=cfg.expert_limit or None, workers=cfg.expert_workers, stats=stats)
+            if cfg.select_on_validation:
+                echo(f"[select] expert: the last {cfg.validation_tasks} train tasks are validation tasks, never "
+                     f"demonstrated: {len(e_tasks)} tasks demonstrated, {e_held} validation tasks left out of the "
+                     f"first {cfg.expert_limit or 'all'}")
+                df = collect_expert(cfg.env, "train", tasks=e_tasks, workers=cfg.expert_workers, stats=stats)
+            else:
+                df = collect_expert(cfg.env, "train", limit=cfg.expert_limit or None, workers=cfg.expert_workers,
+                                    stats=stats)
             schema.write_table(df, run.path / "expert.parquet", producer="qevolve evolve: expert")
+            held = {"validation_tasks_held_out": e_held} if cfg.select_on_validation else {}
             return {"trajectories": df["traj_id"].n_unique(), "env_steps": df.height,
-                    "replay_success_rate": stats.get("success_rate")}
+                    "replay_success_rate": stats.get("success_rate"), **held}
 
         run.run_stage("expert", collect, inputs=[], outputs=["expert.parquet"],
-                      config_hash=_expert_hash(cfg), iteration=0, echo=echo)
+                      config_hash=_expert_hash(cfg, e_held), iteration=0, echo=echo)
 
     # ---- BC warm-up
     if not cfg.start_policy:
@@ -296,7 +320,7 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
                 return train_policy(c, expert, base, out, quiet=quiet)
 
             _select_and_adopt(cfg, run, "bc", "bc/policy", 0, bc_cfg, cfg.bc_candidates, train_bc,
-                              [plan.expert(), plan.base_model()], echo)
+                              [plan.expert(), plan.base_model()], echo, tables=[expert], val_ids=val_ids)
         else:
             run.run_stage("bc", bc, inputs=[plan.expert(), plan.base_model()], outputs=["bc/policy"],
                           config_hash=bc_cfg.hash(), legacy_hash=bc_cfg.legacy_hash(), iteration=0,
@@ -311,19 +335,25 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
         prev = P(plan.policy(k - 1))
         it = f"iter_{k}"
         r_cfg = cfg.stage("rollout", k).replace(split="train")
+        r_tasks, r_held = rollout_tasks(cfg, k) if cfg.select_on_validation else (None, 0)
 
-        def rollout(r_cfg=r_cfg, prev=prev, it=it):
+        def rollout(r_cfg=r_cfg, prev=prev, it=it, r_tasks=r_tasks, r_held=r_held):
             from qevolve_cli.rollout.loop import run_rollout
 
+            if r_tasks is not None:
+                echo(f"[select] {it}/rollout: {len(r_tasks)} train tasks played, the {cfg.validation_tasks} "
+                     f"validation tasks left out ({r_held} of them among the first {r_cfg.max_tasks or 'all'})")
             res = run_rollout(r_cfg, prev, run.path / it / "rollout.parquet", resume=True,
-                              producer="qevolve evolve: rollout")
+                              producer="qevolve evolve: rollout", tasks=r_tasks)
             t = res.table
             per = t.group_by("traj_id").agg(__import__("polars").col("reward_env").sum())
+            held = {"validation_tasks_held_out": r_held} if r_tasks is not None else {}
             return {"trajectories": per.height, "env_steps": t.height, "success_rate": float((per["reward_env"] > 0).mean()),
-                    "avg_reward": float(per["reward_env"].mean()), **{f"stats.{a}": b for a, b in res.stats.to_dict().items()}}
+                    "avg_reward": float(per["reward_env"].mean()), **held,
+                    **{f"stats.{a}": b for a, b in res.stats.to_dict().items()}}
 
         run.run_stage(f"{it}/rollout", rollout, inputs=[plan.policy(k - 1)], outputs=[f"{it}/rollout.parquet"],
-                      config_hash=r_cfg.hash(), iteration=k, echo=echo)
+                      config_hash=held_out_hash(r_cfg.hash(), cfg.validation_tasks, r_held), iteration=k, echo=echo)
 
         l_cfg = cfg.stage("label", k)
         c_cfg = cfg.stage("critic", k)
@@ -377,7 +407,7 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
                 return train_policy(c, run.path / it / "advantages.parquet", start, out, ref=ref, quiet=quiet)
 
             _select_and_adopt(cfg, run, it, f"{it}/policy", k, p_cfg, cfg.policy_candidates, train_step, p_inputs,
-                              echo)
+                              echo, tables=[run.path / it / "advantages.parquet"], val_ids=val_ids)
         else:
             run.run_stage(f"{it}/policy", policy, inputs=p_inputs, outputs=[f"{it}/policy"],
                           config_hash=p_cfg.hash(), legacy_hash=p_cfg.legacy_hash(), iteration=k,
@@ -409,12 +439,71 @@ def _echo_critic_diagnostics(critic_dir: Path, k: int, echo: Callable[[str], Non
 
 def validation_of(cfg: EvolveConfig) -> tuple[list[Any], bool]:
     """The run's validation tasks (the last ``cfg.validation_tasks`` train tasks) and whether they are disjoint
-    from the train tasks its expert demonstrations and rollouts use (the first ones)."""
+    from every training table: always true, since they are carved out of them (:func:`expert_tasks`,
+    :func:`rollout_tasks`, :func:`_expert_without_validation`; a configuration where they cannot be is refused)."""
     from qevolve_cli.evolve.select import validation_tasks
 
-    limits = [cfg.expert_limit] + [cfg.stage("rollout", k).max_tasks for k in range(1, max(cfg.iters, 1) + 1)]
-    used = 0 if 0 in limits else max(limits)
-    return validation_tasks(cfg.env, cfg.validation_tasks, used)
+    return validation_tasks(cfg.env, cfg.validation_tasks), True
+
+
+def expert_tasks(cfg: EvolveConfig) -> tuple[list[Any], int]:
+    """The train tasks the expert stage demonstrates (the first ``expert_limit``; with --select-on-validation of
+    the train tasks before the validation ones) and how many validation tasks that leaves out (0 without)."""
+    from qevolve_cli.envs.splits import list_tasks
+    from qevolve_cli.evolve.select import training_tasks
+
+    if not cfg.select_on_validation:
+        return list_tasks(cfg.env, "train", cfg.expert_limit or None), 0
+    return training_tasks(cfg.env, cfg.validation_tasks, cfg.expert_limit)
+
+
+def rollout_tasks(cfg: EvolveConfig, k: int) -> tuple[list[Any], int]:
+    """The train tasks iteration ``k``'s rollouts play (the first ``max_tasks`` of its rollout stage; with
+    --select-on-validation of the train tasks before the validation ones) and how many validation tasks that
+    leaves out (0 without)."""
+    from qevolve_cli.envs.splits import list_tasks
+    from qevolve_cli.evolve.select import training_tasks
+
+    limit = cfg.stage("rollout", k).max_tasks
+    if not cfg.select_on_validation:
+        return list_tasks(cfg.env, "train", limit or None), 0
+    return training_tasks(cfg.env, cfg.validation_tasks, limit)
+
+
+def _expert_without_validation(cfg: EvolveConfig, run: RunDir, ext: Path, df, val_ids: set[str], echo) -> None:
+    """--select-on-validation with an ``expert_data`` table: stage ``expert`` writes ``expert.parquet``, the table
+    less its rows of validation tasks (how many: the output and the stage's metrics). Refused, one line, when no
+    row is left, or when the run's finished stages trained on the table with those rows (a run made before
+    validation was carved out)."""
+    from qevolve_cli.evolve.rundir import StageConfigChanged
+    from qevolve_cli.evolve.select import drop_validation_rows
+
+    kept, rows, tasks = drop_validation_rows(df, val_ids)
+    if not kept.height:
+        raise ConfigError(ext, "task_id", f"every row ({rows}) is of a validation task (the last "
+                          f"{cfg.validation_tasks} train tasks): nothing left to train on under --select-on-validation "
+                          "(give fewer validation_tasks or another expert_data table)")
+    if rows and not run.is_done("expert"):
+        used = sorted(n for n, st in run.stages.items() if st.get("status") == "done"
+                      and (n == "bc" or n.startswith("bc/cand_") or n.endswith("/label")))
+        if used:
+            raise StageConfigChanged(f"{run.manifest_path}: stage {used[0]!r} was done on {ext} with its {rows} "
+                                     "rows of validation tasks (before they were carved out of the training data); "
+                                     "use a new --run-dir", used[0])
+
+    def write():
+        from qevolve_cli import schema
+
+        echo(f"[select] expert: {rows} rows of {tasks} validation tasks dropped from {ext} ({kept.height} rows kept)")
+        schema.write_table(kept, run.path / "expert.parquet", producer="qevolve evolve: expert (validation tasks dropped)")
+        return {"source": str(ext), "env_steps": kept.height, "validation_rows_dropped": rows,
+                "validation_tasks_dropped": tasks}
+
+    from qevolve_cli.envs.splits import TASK_ORDER
+
+    run.run_stage("expert", write, inputs=[str(ext)], outputs=["expert.parquet"],
+                  config_hash=_h(str(ext), cfg.env, "validation held out", cfg.validation_tasks,
+                                 TASK_ORDER.get(cfg.env)), iteration=0, echo=echo)
 
 
 def validation_config(cfg: EvolveConfig, k: int):
@@ -424,18 +513,17 @@ def validation_config(cfg: EvolveConfig, k: int):
 
 
 def _select_and_adopt(cfg: EvolveConfig, run: RunDir, prefix: str, target: str, k: int, base_cfg, grid, train,
-                      inputs: list[str], echo) -> dict[str, Any]:
+                      inputs: list[str], echo, tables: list[Path], val_ids: set[str]) -> dict[str, Any]:
     """--select-on-validation: train and validate every candidate (evolve/select.py), then the stage ``target``
-    (``bc/policy`` or ``iter_k/policy``) adopts the chosen one (hard links) and records the selection."""
-    from qevolve_cli.evolve.select import describe, select
+    (``bc/policy`` or ``iter_k/policy``) adopts the chosen one (hard links) and records the selection.
+    ``tables``: what the candidates train on, checked first to hold no validation task (``val_ids``)."""
+    from qevolve_cli.evolve.select import check_disjoint, describe, select
 
-    tasks, disjoint = validation_of(cfg)
-    if not disjoint:
-        echo(f"[select] warning: the {len(tasks)} validation tasks overlap the train tasks of the expert "
-             "demonstrations or rollouts (the train split is too small to carve them apart)")
+    if not run.check_only and not run.is_done(target if target != "bc/policy" else "bc"):
+        check_disjoint(tables, val_ids, "validation tasks must stay out of training: use a new --run-dir")
+    tasks = validation_of(cfg)[0]
     sel = select(run, prefix, base_cfg, grid, train, validation_config(cfg, k), tasks, iteration=k, inputs=inputs,
                  echo=echo)
-    sel["disjoint"] = disjoint
 
     def adopt(sel=sel):
         _link_tree(run.path / sel["policy"], run.path / target)
@@ -491,13 +579,15 @@ def _evaluate(cfg: EvolveConfig, run: RunDir, k: int, policy: str, echo, quiet: 
     return out
 
 
-def _expert_hash(cfg) -> str:
+def _expert_hash(cfg, held_out: int = 0) -> str:
     """The expert stage's hash: the environment and the number of train tasks demonstrated, and with a limit on
-    ALFWorld and TextCraft the name of their task order (which first N; envs/splits.py, TASK_ORDER)."""
+    ALFWorld and TextCraft the name of their task order (which first N; envs/splits.py, TASK_ORDER); where
+    --select-on-validation leaves ``held_out`` > 0 validation tasks out of those, a new one."""
     from qevolve_cli.envs.splits import task_order_tag
+    from qevolve_cli.evolve.select import held_out_hash
 
     tag = task_order_tag(cfg.env, cfg.expert_limit)
-    return _h(cfg.env, cfg.expert_limit, *([tag] if tag else []))
+    return held_out_hash(_h(cfg.env, cfg.expert_limit, *([tag] if tag else [])), cfg.validation_tasks, held_out)
 
 
 def _h(*parts: Any) -> str:

@@ -3,10 +3,13 @@
 Every trained arm gets the same number of candidate settings. A candidate is a set of multipliers of
 the arm's own PolicyConfig: ``{}`` is the arm's setting itself, ``{"lr": 0.2}`` its lr x 0.2,
 ``{"epochs": 2}`` twice its epochs. Each candidate is trained, then played greedily on the
-**validation tasks**: the last ``n`` tasks of the *train* split (never a test split; disjoint from
-the expert and rollout tasks, which are the first ones, when the split is large enough). The
-candidate with the highest average final reward wins; ties go to the earlier candidate, so the
-arm's own setting (listed first) wins a tie.
+**validation tasks**: the last ``n`` tasks of the *train* split (never a test split). They are carved out
+before anything trains: the expert demonstrations, the rollouts (their first ``expert_limit`` /
+``max_tasks`` are taken from the train tasks before the validation ones) and an external ``expert_data``
+table (its rows of validation tasks are dropped) never contain them, so validation is disjoint from
+every training table by construction (:func:`training_tasks`, :func:`drop_validation_rows`,
+:func:`check_disjoint`). The candidate with the highest average final reward wins; ties go to the earlier
+candidate, so the arm's own setting (listed first) wins a tie.
 
 Work goes to ``<prefix>/cand_<tag>/policy`` (training) and ``<prefix>/cand_<tag>/val.parquet``
 (validation), each a resumable stage of the run's manifest.
@@ -83,17 +86,66 @@ def pick_best(scores: Sequence[float | None]) -> int | None:
     return best
 
 
-def validation_tasks(env: str, n: int, used: int) -> tuple[list[Any], bool]:
-    """The last ``n`` tasks of ``env``'s train split and whether they are disjoint from its first ``used``
-    tasks (those the expert demonstrations and the rollouts draw from; 0 = all of them)."""
+def validation_tasks(env: str, n: int) -> list[Any]:
+    """The last ``n`` tasks of ``env``'s train split: the validation tasks. A one-line ConfigError (field
+    ``validation_tasks``) when they would leave no train task to train on."""
+    return carve(env, n)[0]
+
+
+def carve(env: str, n: int) -> tuple[list[Any], list[Any]]:
+    """(validation, training): the last ``n`` tasks of ``env``'s train split, and the train tasks before them
+    (in the split's order, from which every training stage takes its first N)."""
     from qevolve_cli.envs.splits import list_tasks
 
     train = list_tasks(env, "train")
     total = len(train)
-    if n > total:
-        raise ConfigError(None, "validation_tasks", f"{n} validation tasks but the {env} train split has {total}")
-    used = used or total
-    return train[total - n:], used + n <= total
+    if n >= total:
+        raise ConfigError(None, "validation_tasks", f"{n} validation tasks leave none of the {total} tasks of the "
+                          f"{env} train split to train on (validation is carved out of it; give fewer)")
+    return train[total - n:], train[:total - n]
+
+
+def training_tasks(env: str, n_val: int, limit: int) -> tuple[list[Any], int]:
+    """The train tasks of a stage that takes the first ``limit`` (0 = all: expert_limit, max_tasks) while the
+    last ``n_val`` are held out for validation, and how many validation tasks the first ``limit`` of the whole
+    split holds (those the stage took before validation was carved out: 0 = the same tasks as without)."""
+    val, rest = carve(env, n_val)
+    total = len(val) + len(rest)
+    used = min(limit, total) if limit else total
+    return (rest[:limit] if limit else rest), max(0, used - len(rest))
+
+
+def held_out_hash(config_hash: str, n_val: int, held_out: int) -> str:
+    """A training stage's config hash once validation is carved out of its tasks: unchanged where that leaves
+    its tasks as they were (``held_out`` 0), else a new one, so a run made before does not resume with other
+    data."""
+    if not held_out:
+        return config_hash
+    return hashlib.sha256(repr((config_hash, "validation held out", n_val)).encode()).hexdigest()[:16]
+
+
+def drop_validation_rows(df, val_ids: set[str]):
+    """(``df`` without the rows of validation tasks, rows dropped, tasks dropped)."""
+    import polars as pl
+
+    hit = pl.col("task_id").is_in(sorted(val_ids))
+    dropped = df.filter(hit)
+    return df.filter(~hit), dropped.height, dropped["task_id"].n_unique()
+
+
+def check_disjoint(tables: Sequence[Any], val_ids: set[str], fix: str) -> None:
+    """A one-line TableError naming the first table (a step table's path) with rows of validation tasks and its
+    ``task_id`` column: ``fix`` says what to do. Reads that column only."""
+    import polars as pl
+
+    from qevolve_cli.errors import TableError
+
+    for t in tables:
+        ids = pl.read_parquet(t, columns=["task_id"])["task_id"]
+        hit = ids.is_in(sorted(val_ids))
+        if hit.any():
+            raise TableError(t, "task_id", f"{int(hit.sum())} rows of {ids.filter(hit).n_unique()} validation "
+                             f"task(s) in a training table; {fix} (docs/compare.md, \"Fair selection\")")
 
 
 def select(run, prefix: str, base_cfg, grid: Sequence[dict[str, Any]], train: Callable[[Any, Path], dict[str, Any]],
@@ -102,7 +154,8 @@ def select(run, prefix: str, base_cfg, grid: Sequence[dict[str, Any]], train: Ca
     """Train every candidate of ``grid`` (``train(cfg, out)``), play each on ``tasks`` with ``v_cfg`` (a train-split
     RolloutConfig), pick the best. ``run`` is the RunDir whose manifest holds the stages. Returns the selection
     record: ``chosen`` (tag), ``policy`` (the chosen candidate's directory, relative to the run), ``candidates``
-    (tag, multipliers, setting, validation score, in grid order), ``validation_tasks`` (count)."""
+    (tag, multipliers, setting, validation score, in grid order), ``validation_tasks`` (count) and ``disjoint``
+    (true: the callers train only on tables with the validation tasks carved out, :func:`check_disjoint`)."""
     from qevolve_cli.evolve.rundir import scalars as _scalars
     from qevolve_cli.rollout.evaluate import run_eval
 
@@ -138,7 +191,7 @@ def select(run, prefix: str, base_cfg, grid: Sequence[dict[str, Any]], train: Ca
 
         raise QevolveError(f"{run.path / prefix}: no candidate has a validation score")
     return {"chosen": cands[i]["tag"], "chosen_index": i, "policy": f"{prefix}/cand_{cands[i]['tag']}/policy",
-            "setting": cands[i]["setting"], "candidates": cands, "validation_tasks": len(task_ids)}
+            "setting": cands[i]["setting"], "candidates": cands, "validation_tasks": len(task_ids), "disjoint": True}
 
 
 def below_start(arm: str, sel: dict[str, Any] | None, start: dict[str, Any] | None, grid_field: str,

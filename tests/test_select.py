@@ -301,6 +301,8 @@ def test_no_validation_task_in_any_training_table(tmp_path):
     r = run_qevolve(*args, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"[select] expert: {val_rows} rows of 2 validation tasks dropped from {ext}" in r.stderr, r.stderr[-3000:]
+    assert "[select] iter_1/rollout: 0 validation tasks left out of the first 2 train tasks (2 played; validation: " \
+        "the last 2 train tasks)" in r.stderr
     man = json.loads((run / "manifest.json").read_text())["stages"]
     assert man["expert"]["metrics"]["validation_rows_dropped"] == val_rows
     assert man["expert"]["metrics"]["validation_tasks_dropped"] == 2

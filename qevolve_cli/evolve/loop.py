@@ -289,9 +289,8 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
 
             stats: dict[str, Any] = {}
             if cfg.select_on_validation:
-                echo(f"[select] expert: the last {cfg.validation_tasks} train tasks are validation tasks, never "
-                     f"demonstrated: {len(e_tasks)} tasks demonstrated, {e_held} validation tasks left out of the "
-                     f"first {cfg.expert_limit or 'all'}")
+                echo(f"[select] expert: {e_held} validation tasks left out of {_first(cfg.expert_limit)} "
+                     f"({len(e_tasks)} demonstrated; validation: the last {cfg.validation_tasks} train tasks)")
                 df = collect_expert(cfg.env, "train", tasks=e_tasks, workers=cfg.expert_workers, stats=stats)
             else:
                 df = collect_expert(cfg.env, "train", limit=cfg.expert_limit or None, workers=cfg.expert_workers,
@@ -341,8 +340,8 @@ def _stages(cfg: EvolveConfig, run: RunDir, plan: Plan, echo: Callable[[str], No
             from qevolve_cli.rollout.loop import run_rollout
 
             if r_tasks is not None:
-                echo(f"[select] {it}/rollout: {len(r_tasks)} train tasks played, the {cfg.validation_tasks} "
-                     f"validation tasks left out ({r_held} of them among the first {r_cfg.max_tasks or 'all'})")
+                echo(f"[select] {it}/rollout: {r_held} validation tasks left out of {_first(r_cfg.max_tasks)} "
+                     f"({len(r_tasks)} played; validation: the last {cfg.validation_tasks} train tasks)")
             res = run_rollout(r_cfg, prev, run.path / it / "rollout.parquet", resume=True,
                               producer="qevolve evolve: rollout", tasks=r_tasks)
             t = res.table
@@ -468,6 +467,10 @@ def rollout_tasks(cfg: EvolveConfig, k: int) -> tuple[list[Any], int]:
     if not cfg.select_on_validation:
         return list_tasks(cfg.env, "train", limit or None), 0
     return training_tasks(cfg.env, cfg.validation_tasks, limit)
+
+
+def _first(limit: int) -> str:
+    return f"the first {limit} train tasks" if limit else "all train tasks"
 
 
 def _expert_without_validation(cfg: EvolveConfig, run: RunDir, ext: Path, df, val_ids: set[str], echo) -> None:

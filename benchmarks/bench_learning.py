@@ -20,9 +20,11 @@ For each environment and seed, through the library (the same functions as the su
 * greedy evaluation of every policy on held-out ``test_seen`` and ``test_unseen`` (the first
   ``eval_max_tasks`` tasks of each, as the preset says; the same tasks for every arm).
 
-Prints ONE JSON object: per seed and arm the held-out success per split and iteration, the
-critic diagnostics of every critic (held-out slice of the training buffer), stage times; then
-mean and standard error over seeds per arm, split and iteration. Nothing is tuned on the
+Prints ONE JSON object: per seed and arm the held-out success and number of tasks per split and
+iteration, the critic diagnostics of every critic (held-out slice of the training buffer), stage
+times; then mean and standard error over seeds per arm, split and iteration, and of ``held_out``:
+every task of the held-out splits pooled, each counted once (each split's success weighted by its
+tasks; docs/results.md, "Held out"). Nothing is tuned on the
 held-out splits: the presets were chosen on the critic's held-out slice of training rollouts.
 
     python benchmarks/bench_learning.py --env lamps --seeds 0 1 2 --runs runs/learning
@@ -309,7 +311,22 @@ def mean_se(xs: list[float]) -> dict:
     return {"mean": m, "se": se, "n": len(xs)}
 
 
+def pooled(scores: dict[str, float], tasks: dict[str, int]) -> float:
+    """The held-out success: every task of the splits counted once (each split's success weighted by its tasks)."""
+    n = sum(tasks.values())
+    return sum(scores[s] * tasks[s] for s in scores) / n if n else 0.0
+
+
+def held_out(sc: dict, splits: list[str], k: int) -> float | None:
+    """One seed's held-out success of one arm at iteration ``k`` (None unless every split was evaluated)."""
+    cells = {s: sc.get(s, {}).get(f"iter_{k}") for s in splits}
+    if any(c is None or c.get("success") is None for c in cells.values()):
+        return None
+    return pooled({s: c["success"] for s, c in cells.items()}, {s: c["tasks"] for s, c in cells.items()})
+
+
 def aggregate(seeds: list[dict], arms: list[str], splits: list[str], iters: int) -> dict:
+    """Mean ± s.e. over the seeds per arm, iteration and split, and of the held-out success (pooled)."""
     out: dict = {}
     for arm in arms:
         for split in splits + ["held_out"]:
@@ -318,8 +335,7 @@ def aggregate(seeds: list[dict], arms: list[str], splits: list[str], iters: int)
                 for r in seeds:
                     sc = r["scores"].get(arm, {})
                     if split == "held_out":
-                        cells = [sc.get(s, {}).get(f"iter_{k}", {}).get("success") for s in splits]
-                        vals.append(statistics.fmean(cells) if all(c is not None for c in cells) else None)
+                        vals.append(held_out(sc, splits, k))
                     else:
                         vals.append(sc.get(split, {}).get(f"iter_{k}", {}).get("success"))
                 out.setdefault(arm, {}).setdefault(split, {})[f"iter_{k}"] = mean_se(vals)
@@ -328,7 +344,7 @@ def aggregate(seeds: list[dict], arms: list[str], splits: list[str], iters: int)
 
 def markdown(seeds: list[dict], agg: dict, arms: list[str], splits: list[str], iters: int) -> str:
     """The held-out table of docs/learning_check.md: per seed and arm, seen / unseen success (%) per
-    iteration, then mean ± standard error over seeds (held-out = mean of the splits)."""
+    iteration, then mean ± standard error over seeds (held-out: every task of the splits pooled once)."""
     pct = lambda x: "–" if x is None else f"{100 * x:.1f}"  # noqa: E731
     cols = [(a, k) for a in arms for k in (range(0, 1) if a == "bc" else range(1, iters + 1))]
     head = "| seed | " + " | ".join(f"{a} it{k}" for a, k in cols) + " |"

@@ -209,7 +209,8 @@ def below_start(arm: str, sel: dict[str, Any] | None, start: dict[str, Any] | No
         return None
     return (f"every {arm} candidate scored below the policy it starts from on validation (best {100 * best:.1f} "
             f"vs {100 * ref:.1f}): every setting of its grid ({grid_field}) made it worse; smaller steps may keep it, e.g. "
-            f"--set '{grid_field}=[{{lr: 0.04}}, {{lr: 0.008}}, {{}}]' (docs/compare.md, \"Statistics\")")
+            f"--set '{grid_field}=[{{lr: 0.04}}, {{lr: 0.008}}, {{}}]' "
+            "(docs/notebook/2026-11-28-bench-compare-five-seeds.md)")
 
 
 def describe(sel: dict[str, Any] | None) -> str:

@@ -45,6 +45,11 @@ Arms (the advantages each BPPO arm trains on; `norm` = advantages standardised, 
                   critic_backbone: policy) instead of the base model + GAE           (norm)
   oracle_gae_informative  oracle_gae on the informative steps only: steps whose V* is 0 (hopeless
                   states: nothing the policy does there matters) get A = 0 after standardising (norm)
+  learned_feat    the feature critic of `--preset cpu` (heads on cached frozen features, FEATURE_CRITIC) trained
+                  on the run's buffer + GAE                                      (norm)
+  awr_feat        awr_full on learned_feat's advantages: the AWR step of `--preset cpu` with the feature critic
+  learned_lora    the LoRA critic of `--preset cpu` before the feature critic (LORA_CRITIC) retrained + GAE (norm)
+  gigpo           GiGPO's anchor-state credit (label --advantage gigpo; no critic; expert rows left out)
   <arm>_clip02    any BPPO arm with a binding lower clip: eps_low 0.2 instead of the paper's 0.8
   <arm>_lrK, _epN  also the arms from the base model (bc, bc_redraw, rft_full, awr_full*, awr_oracle, awr_tab):
                   the bc stage's lr times K, N epochs (rft_full_ep24: RFT with twice the BC budget)
@@ -84,8 +89,8 @@ sys.path.insert(0, str(ROOT))  # qevolve_cli from this checkout (the report reus
 BASE_ARMS = ("sft", "bc", "rft_bc", "rft_full", "bc_redraw", "oracle_gae", "oracle_gae_raw", "oracle_td", "tab_gae", "tab_gae_aux",
              "tab_env_gae", "tab_gae_m05", "tab_gae_m09", "learned", "learned_raw", "learned_m05", "learned_pbb", "learned_pos", "learned_trajmean", "learned_lam1", "learned_lam0", "shuffled", "a_one",
              "awr_full", "awr_full_one", "awr_full_shuffled", "awr_bc", "awr_oracle", "awr_tab",
-             "oracle_gae_informative")
-AWR_FULL_ARMS = ("awr_full", "awr_full_one", "awr_full_shuffled", "awr_oracle", "awr_tab")
+             "oracle_gae_informative", "learned_feat", "learned_lora", "awr_feat", "gigpo")
+AWR_FULL_ARMS = ("awr_full", "awr_full_one", "awr_full_shuffled", "awr_oracle", "awr_tab", "awr_feat")
 FROM_BASE = ("bc", "bc_redraw", "rft_full", *AWR_FULL_ARMS)  # trained from the base model with the bc stage's budget
 BPPO_ARMS = [a for a in BASE_ARMS if a not in ("sft", "rft_bc", "awr_bc", *FROM_BASE)]
 ARMS = BASE_ARMS + tuple(f"{a}_clip02" for a in BPPO_ARMS)
@@ -101,14 +106,28 @@ LABEL = {  # arm -> label config overrides over the run's label stage (value sou
     "oracle_gae_informative": {"value_source": "oracle", "advantage": "gae"},
     "awr_oracle": {"value_source": "oracle", "advantage": "gae"},
     "awr_tab": {"value_source": "tabular_iql", "advantage": "gae", "fit_reward": "env_aux"},
+    "gigpo": {"advantage": "gigpo"},  # GiGPO's anchor-state credit: no values (docs/policy.md, "GiGPO")
 }
 CREDIT_SOURCES = ("learned", "learned_lam1", "learned_lam0", "awr_full", "learned_pbb", "learned_m05", "tab_gae", "tab_env_gae", "tab_gae_m05",
-                  "tab_gae_m09", "shuffled")
+                  "tab_gae_m09", "shuffled", "learned_feat", "learned_lora", "gigpo")
 """Arms with advantages of their own (a critic, the tabular IQL, a control) that `credit` holds against the solver's."""
 RAW = {"oracle_gae_raw", "learned_raw", "a_one", "learned_pos"}  # learned_pos: standardised before clamping
+# the feature critic of `--preset cpu` (configs/presets/cpu.yaml, critic section): heads on the frozen base model's
+# cached last-layer features of the whole transcript, with the steps left as an input (docs/critic.md, "The feature
+# critic")
+FEATURE_CRITIC = {"kind": "features", "context_turns": 0, "feature_layer": -1, "time_input": "steps_left",
+                  "time_scale": 1.0, "epochs": 300, "lr": 1.0e-3, "head_lr": 1.0e-3, "ema_lambda": 0.05,
+                  "head_hidden": 256, "warmup_ratio": 0.0, "lr_scheduler": "constant", "early_stop_patience": 0}
+# the LoRA critic of `--preset cpu` before the feature critic (its stage config of 2026-12-01)
+LORA_CRITIC = {"kind": "lora", "epochs": 6, "lr": 1.0e-3, "head_lr": 3.0e-3, "ema_lambda": 0.2, "batch_size": 2,
+               "schedule": "both", "time_input": "none", "head_hidden": 64, "lora_rank": 8, "warmup_ratio": 0.0,
+               "early_stop_patience": 3, "early_stop_min_delta": 0.05}
 RETRAINED_CRITIC = {  # arm -> (critic config overrides, backbone inside the run) of a critic trained anew
     "learned_m05": ({"expectile": 0.5}, "base_model"),
     "learned_pbb": ({}, "bc/policy"),
+    "learned_feat": (FEATURE_CRITIC, "base_model"),
+    "awr_feat": (FEATURE_CRITIC, "base_model"),
+    "learned_lora": (LORA_CRITIC, "base_model"),
 }
 
 
@@ -181,7 +200,8 @@ def advantage_table(run: Path, arm: str, work: Path) -> Path:
 
     if arm in LABEL:
         max_steps = (yaml.safe_load((run / "stages" / "rollout_1.yaml").read_text()) or {}).get("max_steps")
-        over = {**LABEL[arm], **({"oracle_max_steps": max_steps} if LABEL[arm]["value_source"] != "critic" else {})}
+        vs = LABEL[arm].get("value_source", "critic")
+        over = {**LABEL[arm], **({"oracle_max_steps": max_steps} if vs != "critic" else {})}
         cfg = write_yaml(work / "label.yaml", run / "stages" / "label_1.yaml", over)
         tmp = work / "labels.tmp.parquet"
         qevolve("label", run / "iter_1" / "labeled.parquet", "--config", cfg, "--out", tmp)

@@ -88,8 +88,11 @@ def state_sequences(df: pl.DataFrame, tokenizer: Any, context_turns: int, max_le
             out[k][tw["rows"]] = tw[k]
         return {"sequences": tw["sequences"], **out}
     from qevolve_cli.critic.data import build_items
+    from qevolve_cli.prefix import OUT_COLUMNS
 
-    items = build_items(df, tokenizer, max_length, time_column="step", window_context=window_context)
+    # positions computed here with this tokenizer (fast): a table indexed with another tokenizer cannot mislead
+    plain = df.drop([c for c in OUT_COLUMNS if c in df.columns])
+    items = build_items(plain, tokenizer, max_length, time_column="step", window_context=window_context)
     out = {k: np.zeros((n, 2), np.int64) for k in ("s", "sa", "next")}
     for i, it in enumerate(items):
         for k, pos in (("s", it.pos_s), ("sa", it.pos_sa), ("next", it.pos_next)):

@@ -280,6 +280,10 @@ def test_compare_gigpo_row(tmp_path):
     rows = {x["arm"]: x for x in json.loads(r.stdout)["rows"]}
     gsel, qsel = rows["gigpo"]["selection"], sman["iter_1/policy"]["metrics"]["selection"]
     assert [c["tag"] for c in gsel["candidates"]] == [c["tag"] for c in qsel["candidates"]] == ["base", "lr0.5"]
-    assert gsel["validation_tasks"] == qsel["validation_tasks"] == 2
+    assert gsel["validation_tasks"] == qsel["validation_tasks"] == 2 and gsel["disjoint"] is True
+    from qevolve_cli.evolve.select import validation_tasks
+
+    val_ids = {t.task_id for t in validation_tasks("lamps", 2)}  # GiGPO trains on none of them either
+    assert not set(pl.read_parquet(srun / "compare" / "gigpo" / "advantages.parquet")["task_id"]) & val_ids
     assert gsel["policy"] == f"gigpo/cand_{gsel['chosen']}/policy"
     assert json.loads((srun / "compare" / "selection.json").read_text())["gigpo"] == gsel

@@ -113,9 +113,9 @@ CREDIT_SOURCES = ("learned", "learned_lam1", "learned_lam0", "awr_full", "learne
 """Arms with advantages of their own (a critic, the tabular IQL, a control) that `credit` holds against the solver's."""
 RAW = {"oracle_gae_raw", "learned_raw", "a_one", "learned_pos"}  # learned_pos: standardised before clamping
 # the feature critic of `--preset cpu` (configs/presets/cpu.yaml, critic section): heads on the frozen base model's
-# cached last-layer features of the whole transcript, with the steps left as an input (docs/critic.md, "The feature
+# cached last-layer features of the task plus the last 3 turns, with the steps left as an input (docs/critic.md, "The feature
 # critic")
-FEATURE_CRITIC = {"kind": "features", "context_turns": 0, "feature_layer": -1, "time_input": "steps_left",
+FEATURE_CRITIC = {"kind": "features", "context_turns": 3, "feature_layer": -1, "time_input": "steps_left",
                   "time_scale": 1.0, "epochs": 300, "lr": 1.0e-3, "head_lr": 1.0e-3, "ema_lambda": 0.05,
                   "head_hidden": 256, "warmup_ratio": 0.0, "lr_scheduler": "constant", "early_stop_patience": 0}
 # the LoRA critic of `--preset cpu` before the feature critic (its stage config of 2026-12-01)

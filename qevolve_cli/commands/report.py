@@ -17,6 +17,7 @@ watch a run in progress (docs/evolve.md, "Report").
 \b
 Examples:
   qevolve report runs/demo
+  qevolve report runs/demo --summary      # one screen: BC vs each iteration, the critic's verdict, next steps
   qevolve report runs/sw --json | jq '.rows[-1]'
   qevolve report runs/sw --no-plots --json | jq '.stages.unfinished'
 """
@@ -27,6 +28,9 @@ def register(app: typer.Typer) -> None:
     def report(
         run_dir: Annotated[Path, typer.Argument(help="Run directory of `qevolve evolve`.", show_default=False)],
         no_plots: Annotated[bool, typer.Option("--no-plots", help="Only the table.")] = False,
+        summary: Annotated[bool, typer.Option("--summary", help="One screen instead of the tables: held-out success "
+                                              "of BC and each iteration (every held-out task counted once), the "
+                                              "critic's verdict and fit ladder, the plots, the next commands.")] = False,
         json_out: JsonOpt = False,
     ) -> None:
         def body() -> None:
@@ -35,6 +39,10 @@ def register(app: typer.Typer) -> None:
             rep = build_report(run_dir, plots=not no_plots)
             if json_out:
                 emit_json(rep)
+            elif summary:
+                from qevolve_cli.evolve.report import summary_lines
+
+                typer.echo("\n".join(summary_lines(rep)))
             else:
                 print_table(rep)
 

@@ -431,6 +431,10 @@ def _echo_critic_diagnostics(critic_dir: Path, k: int, echo: Callable[[str], Non
 
     d = json.loads(p.read_text())
     echo(f"[critic] iteration {k} ({d.get('on', 'held-out')}): {summary_line(d)}")
+    if d.get("fit_ladder"):
+        from qevolve_cli.critic.ladder import ladder_line
+
+        echo(f"[critic] iteration {k}: {ladder_line(d['fit_ladder'])}")
     w = warning_line(d, d.get("on", "held-out"))
     if w:
         echo(f"[critic] iteration {k}: {w}")

@@ -471,6 +471,11 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
     md = markdown_table(rows, splits)
     if diags:
         md += "\nCritic diagnostics (docs/critic.md#diagnostics):\n\n" + diagnostics_markdown(diags)
+        from qevolve_cli.critic.ladder import ladder_line
+
+        md += "".join(f"\n- iteration {k}, {ladder_line(d['fit_ladder'])}" for k, d in sorted(diags.items())
+                      if d.get("fit_ladder"))
+        md += "\n" if any(d.get("fit_ladder") for d in diags.values()) else ""
     if sels:
         from qevolve_cli.evolve.select import describe
 
@@ -481,7 +486,7 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict[str, Any]:
     md += "".join(f"\n- {_unfinished_text(u)}" for u in times["unfinished"]) + ("\n" if times["unfinished"] else "")
     write_text(out / "scores.md", md)
     critic = {str(k): {key: d.get(key) for key in ("on", "trajectories", "steps", "n_success", "n_failed", *DIAG_KEYS,
-                                                   "auc_v_ci", "problems")}
+                                                   "auc_v_ci", "problems", "fit_ladder")}
               for k, d in sorted(diags.items())}
     rep = {"run": str(run), "splits": splits, "rows": rows, "advantages": adv_stats, "critic": critic,
            "selection": sels, "stages": times, "files": files + ["report/scores.md"]}
@@ -528,7 +533,11 @@ def print_table(rep: dict[str, Any]) -> None:
                       f(d.get("auc_v"), "{:.2f}"), f(d.get("auc_v0"), "{:.2f}"), f(d.get("v_std")),
                       "" if fp is None else f"{100 * fp:.0f} %", verdict_word(d))
         con.print(c)
+        from qevolve_cli.critic.ladder import ladder_line
+
         for k, d in rep["critic"].items():  # the reasons, one line each: the column stays narrow
+            if d.get("fit_ladder"):
+                con.print(f"critic of iteration {k}, {ladder_line(d['fit_ladder'])}", highlight=False)
             if verdict_word(d) == "not learned":
                 con.print(f"critic of iteration {k}: {verdict_text(d)}", highlight=False)
     if rep.get("selection"):
@@ -552,3 +561,62 @@ def print_table(rep: dict[str, Any]) -> None:
     files = rep.get("files", [])
     if files:
         Console(stderr=True).print("written: " + ", ".join(str(Path(rep["run"]) / f) for f in files))
+
+
+def pooled_success(row: dict[str, Any], splits: list[str]) -> tuple[float | None, int]:
+    """(success over every task of ``splits`` pooled, each task once; the number of tasks) of one score row."""
+    have = [(row[s]["success_rate"], row[s]["n"]) for s in splits if s in row and row[s].get("n")]
+    n = sum(int(k) for _, k in have)
+    return (sum(float(sr or 0) * int(k) for sr, k in have) / n if n else None), n
+
+
+NEXT_COMMANDS = (
+    ("make demo-smol", "the same loop with the pretrained SmolLM2-135M-Instruct (LoRA; hours on 2 cores)"),
+    ("qevolve plan --env alfworld --model HuggingFaceTB/SmolLM2-1.7B-Instruct --gpus 8 --gpu h100-80gb",
+     "what a run of your own model costs on a GPU node"),
+    ("qevolve evolve --env alfworld --model HuggingFaceTB/SmolLM2-1.7B-Instruct --iters 2 --run-dir runs/alf",
+     "your own model by Hub id on a GPU node (docs/cluster.md)"),
+)
+
+
+def summary_lines(rep: dict[str, Any]) -> list[str]:
+    """One screen: held-out success of BC and each iteration (pooled over the held-out splits, with their sizes),
+    each critic's verdict and fit ladder, where the plots are, and the next commands (``qevolve report
+    --summary``; the end of ``make demo``)."""
+    from qevolve_cli.critic.diagnostics import verdict_text
+    from qevolve_cli.critic.ladder import ladder_line
+
+    run = Path(rep["run"])
+    cfg_p = run / "config.yaml"
+    env = preset = ""
+    if cfg_p.is_file():
+        import yaml
+
+        c = yaml.safe_load(cfg_p.read_text()) or {}
+        env, preset = str(c.get("env", "")), str(c.get("preset", ""))
+    held = [s for s in rep["splits"] if s.startswith("test")] or list(rep["splits"])
+    sizes = " + ".join(f"{s} {next((r[s]['n'] for r in rep['rows'] if s in r and r[s].get('n')), '?')}" for s in held)
+    lines = [f"qevolve: {run}" + (f" ({env}, --preset {preset})" if env else ""), "",
+             f"held-out success, every task counted once ({sizes} tasks):"]
+    base = None
+    for r in rep["rows"]:
+        sr, n = pooled_success(r, held)
+        if sr is None:
+            continue
+        per = ", ".join(f"{SHORT.get(s, s)} {100 * (r[s]['success_rate'] or 0):.1f}" for s in held if s in r)
+        name = "BC (behaviour cloning)" if r["iteration"] == 0 else f"Q-Evolve iteration {r['iteration']}"
+        delta = "" if base is None else f"   {100 * (sr - base):+.1f} points over BC"
+        lines.append(f"  {name:<24} {100 * sr:5.1f} %  ({per}){delta}")
+        if r["iteration"] == 0:
+            base = sr
+    for k, d in rep.get("critic", {}).items():
+        held_txt = (f"held-out AUC of V {d['auc_v']:.2f}, explained variance {d['ev_return']:.2f}"
+                    if d.get("auc_v") is not None and d.get("ev_return") is not None else "")
+        lines.append(f"critic of iteration {k}: {verdict_text(d)}" + (f" ({held_txt})" if held_txt else ""))
+        if d.get("fit_ladder"):
+            lines.append(f"  {ladder_line(d['fit_ladder'])}")
+    pngs = [f for f in rep.get("files", []) if f.endswith(".png")]
+    if pngs:
+        lines.append(f"plots: {run / 'report'}/ ({', '.join(Path(f).name for f in pngs)})")
+    lines += ["", "next:"] + [f"  {cmd}\n      {why}" for cmd, why in NEXT_COMMANDS]
+    return lines

@@ -9,6 +9,7 @@ import pytest
 
 from qevolve_cli.evolve.report import build_report, selections, stage_kind, stage_times, stage_times_markdown
 from qevolve_cli.lock import RUN_DIR_LOCK, exclusive
+from tests.conftest import run_qevolve
 
 
 def _write(path, stages):
@@ -264,3 +265,34 @@ def test_plots_have_whole_number_count_axes_and_say_what_they_show(tmp_path):
     rep = build_report(run)
     assert {"report/scores.png", "report/critic_diagnostics.png", "report/critic_losses.png"} <= set(rep["files"])
     assert (run / "report" / "critic_diagnostics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_pools_the_held_out_tasks_and_names_the_verdict_and_next_steps(tmp_path):
+    """`qevolve report --summary`: success over every held-out task counted once (36 + 59 tasks), the gain over BC,
+    the critic's verdict with its fit ladder, the plots and the next commands (the end of make demo)."""
+    run = _plot_run(tmp_path)
+    (run / "config.yaml").write_text("env: lamps-habit\npreset: cpu\n")
+    d = json.loads((run / "iter_1" / "critic" / "diagnostics.json").read_text())
+    d["fit_ladder"] = {"terminal": {"successful": {"n": 8, "mae": 0.04}, "failed": {"n": 16, "mae": 0.62}},
+                       "td_q_mae": 0.05, "qbar_minus_v": -0.01, "failed_v": {"corr_step": 0.4}}
+    (run / "iter_1" / "critic" / "diagnostics.json").write_text(json.dumps(d))
+    proc = run_qevolve("report", run, "--summary", check=True)
+    out = proc.stdout
+    assert "test_seen 36 + test_unseen 59 tasks" in out
+    # BC: 5 % of both splits; iteration 2: 15 % of both -> pooled the same; the gain +10.0 points
+    lines = {" ".join(ln.split()[:3]): ln.split() for ln in out.splitlines() if "%" in ln}
+    assert lines["BC (behaviour cloning)"][3:5] == ["5.0", "%"]
+    assert lines["Q-Evolve iteration 2"][3:5] == ["15.0", "%"] and "+10.0 points over BC" in out
+    # the failing rung of iteration 1's ladder is its verdict; iteration 2's critic learned
+    assert ("critic of iteration 1: does not fit its own terminal transitions: mean |Q - r| 0.62 over 16 failed "
+            "endings") in out
+    assert "critic of iteration 2: learned" in out and "fit ladder (train): terminal |Q-r| ok 0.04 failed 0.62" in out
+    assert "scores.png" in out and "make demo-smol" in out and "qevolve plan" in out and "--model" in out
+
+
+def test_pooled_success_weights_each_task_once():
+    from qevolve_cli.evolve.report import pooled_success
+
+    row = {"test_seen": {"success_rate": 0.5, "n": 48}, "test_unseen": {"success_rate": 0.75, "n": 96}}
+    sr, n = pooled_success(row, ["test_seen", "test_unseen"])
+    assert n == 144 and sr == pytest.approx((24 + 72) / 144)  # 66.7 %, not the split means' 62.5 %

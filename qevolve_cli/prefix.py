@@ -485,10 +485,10 @@ def turn_windows(df: pl.DataFrame, tokenizer_dir_or_obj: Any, context_turns: int
     lets a critic pool equal states across trajectories (docs/critic.md, "The feature critic").
 
     Consecutive steps with the same ``j`` (the first K + 1 steps) share one sequence, as windows do.
-    Returns ``sequences`` (list of int64 arrays) and, per row of ``sort_steps(df)`` order, ``rows`` (the
-    row's index in ``df``), ``s`` / ``sa`` / ``next`` ((sequence, position) int64 arrays (N, 2)) where
-    ``next`` is the state of step t + 1 in its own window (for the last step: a window of its own, ending
-    at o_T).
+    Returns ``sequences`` (list of int64 arrays), ``head_len`` (each sequence's head, in tokens) and, per row
+    of ``sort_steps(df)`` order, ``rows`` (the row's index in ``df``), ``s`` / ``sa`` / ``next`` ((sequence,
+    position) int64 arrays (N, 2)) where ``next`` is the state of step t + 1 in its own window (for the last
+    step: a window of its own, ending at o_T).
     """
     from qevolve_cli.schema import sort_steps
 
@@ -561,4 +561,6 @@ def turn_windows(df: pl.DataFrame, tokenizer_dir_or_obj: Any, context_turns: int
         bad = arr[:, 1] >= np.array([len(seqs[i]) for i in arr[:, 0]], np.int64) if n else np.zeros(0, bool)
         if bad.any():
             raise QevolveError(f"turn windows: a {name} position lies past its sequence (row {int(np.argmax(bad))})")
-    return {"sequences": seqs, "rows": frame["_tw_row"].to_numpy().astype(np.int64), "s": s, "sa": sa, "next": nxt}
+    head_len = np.array([int(pe[0]) + 1 for pe in prefix_ends], np.int64)  # every window starts with the head
+    return {"sequences": seqs, "head_len": head_len, "rows": frame["_tw_row"].to_numpy().astype(np.int64), "s": s,
+            "sa": sa, "next": nxt}

@@ -201,3 +201,23 @@ def test_expert_rows_of_a_budgeted_task_have_steps_left():
         tr = tr.sort("step")
         budget = int(tr["instruction"][0].rsplit("in at most ", 1)[1].split()[0])
         assert tr["steps_left"].to_list() == [budget - t for t in tr["step"].to_list()]
+
+
+def test_head_prefix_and_equal_windows_give_the_same_features(tiny_model_dir):
+    """The two-level prefix (shared prompt, then each task's head) and one forward per distinct window give the
+    features of a whole forward per window; equal windows are computed once."""
+    df = pl.concat([lamps_table(3), lamps_table(3).with_columns(("copy:" + pl.col("traj_id")).alias("traj_id"))])
+    tok = load_tokenizer(tiny_model_dir)
+    seqs = state_sequences(df, tok, 2, None, 1.0)
+    assert (seqs["head_len"] > 16).all() and len(seqs["head_len"]) == len(seqs["sequences"])
+    a = extract(tiny_model_dir, seqs, -1, prefix=False)
+    b = extract(tiny_model_dir, seqs, -1, prefix=True)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-5)
+    n = df.height // 2  # the copies' rows equal the originals'
+    np.testing.assert_array_equal(a["h_s"][:n], a["h_s"][n:])
+    whole = state_sequences(df, tok, 0, None, 1.0)
+    c = extract(tiny_model_dir, whole, -1, prefix=False)
+    d = extract(tiny_model_dir, whole, -1, prefix=True)
+    for k in c:
+        np.testing.assert_allclose(c[k], d[k], atol=1e-5)

@@ -86,7 +86,7 @@ def state_sequences(df: pl.DataFrame, tokenizer: Any, context_turns: int, max_le
         out = {k: np.zeros((n, 2), np.int64) for k in ("s", "sa", "next")}
         for k in out:
             out[k][tw["rows"]] = tw[k]
-        return {"sequences": tw["sequences"], **out}
+        return {"sequences": tw["sequences"], "head_len": tw["head_len"], **out}
     from qevolve_cli.critic.data import build_items
     from qevolve_cli.prefix import OUT_COLUMNS
 
@@ -94,11 +94,16 @@ def state_sequences(df: pl.DataFrame, tokenizer: Any, context_turns: int, max_le
     plain = df.drop([c for c in OUT_COLUMNS if c in df.columns])
     items = build_items(plain, tokenizer, max_length, time_column="step", window_context=window_context)
     out = {k: np.zeros((n, 2), np.int64) for k in ("s", "sa", "next")}
+    head: dict[str, int] = {}  # a trajectory's head (up to o_0) ends at step 0's pos_s, in each of its windows
+    for it in items:
+        if it.traj_id.split("#w")[0] not in head and len(it.step) and "#w" not in it.traj_id:
+            head[it.traj_id] = int(it.pos_s[0]) + 1
     for i, it in enumerate(items):
         for k, pos in (("s", it.pos_s), ("sa", it.pos_sa), ("next", it.pos_next)):
             out[k][it.rows, 0] = i
             out[k][it.rows, 1] = pos
-    return {"sequences": [it.input_ids for it in items], **out}
+    head_len = np.array([head.get(it.traj_id.split("#w")[0], 0) for it in items], np.int64)
+    return {"sequences": [it.input_ids for it in items], "head_len": head_len, **out}
 
 
 def resolve_layer(layer: int, n_layers: int) -> int:
@@ -113,9 +118,10 @@ def resolve_layer(layer: int, n_layers: int) -> int:
 def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str = "cpu",
             dtype: str = "float32", progress: Any = None, prefix: bool | None = None) -> dict[str, np.ndarray]:
     """Hidden states of layer ``layer`` at every requested position: ``h_s``, ``h_sa``, ``h_next`` (n_rows, d)
-    float32. One no-grad forward per sequence; the prefix every sequence shares (system prompt and example)
-    is computed once and each sequence's rest runs on its keys and values, on models where that pays
-    (:func:`qevolve_cli.models.kv.prefix_pays`; ``prefix`` True / False forces it on or off)."""
+    float32. One no-grad forward per distinct sequence (equal windows, which turn windows make often, run once).
+    With the prefix cache (:func:`qevolve_cli.models.kv.prefix_pays`; ``prefix`` True / False forces it on or
+    off) the prefix every sequence shares (system prompt and example) runs once, then each head (the task's
+    message, ``head_len`` in ``seqs``) once on it, and each sequence's rest on its head's keys and values."""
     import torch
 
     from qevolve_cli.critic.model import _load_base
@@ -128,42 +134,61 @@ def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str
     n_layers = int(base.config.num_hidden_layers)
     li = resolve_layer(layer, n_layers)
     sequences: list[np.ndarray] = seqs["sequences"]
-    # positions wanted per sequence
-    wanted: list[list[tuple[str, int, int]]] = [[] for _ in sequences]
+    heads = seqs.get("head_len")
+    # one computation per distinct token sequence
+    uniq: dict[bytes, int] = {}
+    canon = np.zeros(len(sequences), np.int64)
+    for i, sq in enumerate(sequences):
+        canon[i] = uniq.setdefault(np.asarray(sq, np.int64).tobytes(), i)
+    wanted: dict[int, list[tuple[str, int, int]]] = {}
     for name in ("s", "sa", "next"):
         for row, (si, p) in enumerate(seqs[name]):
-            wanted[int(si)].append((name, row, int(p)))
+            wanted.setdefault(int(canon[int(si)]), []).append((name, row, int(p)))
     n_rows = len(seqs["s"])
     d = int(base.config.hidden_size)
     out = {f"h_{k}": np.zeros((n_rows, d), np.float32) for k in ("s", "sa", "next")}
-    used = [i for i, w in enumerate(wanted) if w]
+    used = sorted(wanted)
+    if heads is not None:  # the sequences of one head together: one head's keys and values held at a time
+        used.sort(key=lambda i: np.asarray(sequences[i][: int(heads[i])], np.int64).tobytes())
+    use_prefix = len(used) > 1 and (prefix_pays(base) if prefix is None else prefix)
     P = 0
-    if len(used) > 1 and (prefix_pays(base) if prefix is None else prefix):
+    if use_prefix:
         first = sequences[used[0]]
         P = min(len(sequences[i]) for i in used) - 1
         for i in used[1:]:
-            s = sequences[i]
-            neq = np.flatnonzero(s[:P] != first[:P])
+            neq = np.flatnonzero(sequences[i][:P] != first[:P])
             P = min(P, int(neq[0]) if len(neq) else P)
-        P = min(P, min(p for i in used for _n, _r, p in wanted[i]))  # every read position is past the prefix
         P = P if P >= 16 else 0
     kw = cache_kwarg(dec)
+
+    def run(ids: np.ndarray, start: int, layers: list | None) -> tuple[torch.Tensor, list]:
+        """Layer ``li``'s states of ids[start:] (on the keys / values ``layers`` of ids[:start]) and the cache."""
+        x = torch.as_tensor(ids[start:], device=dev).unsqueeze(0)
+        extra = {kw: cache_of_layers(layers)} if layers is not None else {}
+        o = dec(input_ids=x, use_cache=True, output_hidden_states=True, **extra)
+        return o.hidden_states[li][0].float(), cache_layers(out_cache(o))
+
     with torch.no_grad():
-        pre = None
-        if P:
-            o = dec(input_ids=torch.as_tensor(sequences[used[0]][:P], device=dev).unsqueeze(0), use_cache=True,
-                    output_hidden_states=True)
-            pre = cache_layers(out_cache(o))
+        h_pre, pre = run(sequences[used[0]][:P], 0, None) if P else (None, None)
+        head_cache: dict[bytes, tuple[int, torch.Tensor, list]] = {}  # head ids -> (length, states, cache)
         for done, i in enumerate(used):
-            ids = torch.as_tensor(sequences[i], device=dev).unsqueeze(0)
-            if pre is not None:
-                o = dec(input_ids=ids[:, P:], use_cache=True, output_hidden_states=True, **{kw: cache_of_layers(pre)})
-                off = P
+            ids = np.asarray(sequences[i], np.int64)
+            H = int(heads[i]) if heads is not None and use_prefix else 0
+            H = H if P + 16 <= H < len(ids) else 0
+            parts: list[torch.Tensor] = []
+            if P:
+                parts.append(h_pre)
+            if H:
+                key = ids[:H].tobytes()
+                if key not in head_cache:
+                    head_cache.clear()
+                    head_cache[key] = (H, *run(ids[:H], P, pre))
+                _h, h_head, layers = head_cache[key]
+                parts += [h_head, run(ids, H, layers)[0]]
             else:
-                o = dec(input_ids=ids, use_cache=False, output_hidden_states=True)
-                off = 0
-            h = o.hidden_states[li][0].float()
-            idx = torch.as_tensor([p - off for _n, _r, p in wanted[i]], device=dev)
+                parts.append(run(ids, P, pre)[0] if P else run(ids, 0, None)[0])
+            h = torch.cat(parts, 0)
+            idx = torch.as_tensor([p for _n, _r, p in wanted[i]], device=dev)
             got = h.index_select(0, idx).cpu().numpy()
             for (name, row, _p), vec in zip(wanted[i], got, strict=True):
                 out[f"h_{name}"][row] = vec

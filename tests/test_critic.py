@@ -393,11 +393,14 @@ def test_time_input_feeds_the_step_index_to_the_heads(tiny_model_dir, tmp_path):
 
     plain = CriticConfig(**SMALL)
     d = dataclasses.asdict(plain)
-    for k in ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context"):
+    for k in ("time_input", "time_scale", "share_value_forward", "shared_prefix", "window_context", "kind",
+              "feature_layer", "context_turns", "feature_batch_steps", "feature_eval_every", "fit_ladder"):
         d.pop(k)  # every field added since
     d["checkpoint"] = True  # SMALL's False: how a stage runs, hashed at its default (below)
     assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() != plain.hash() and CriticConfig(**SMALL, time_scale=8.0).hash() != plain.hash()
+    assert CriticConfig(**SMALL, kind="features").hash() != plain.hash()
+    assert CriticConfig(**SMALL, context_turns=3).hash() != plain.hash()
     assert CriticConfig(**SMALL, shared_prefix=False).hash() != plain.hash()
     assert CriticConfig(**SMALL, window_context=1.0).hash() != plain.hash()
     # how often it checkpoints (or whether) is not the work: hashed as the defaults; the old hash kept apart

@@ -34,7 +34,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 import yaml
 
@@ -42,49 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from qevolve_cli import schema  # noqa: E402
+from qevolve_cli.critic.credit import auc, credit, with_values  # noqa: E402,F401 (auc: tests use it from here)
 from qevolve_cli.envs.oracle import oracle_value, replay  # noqa: E402
 from qevolve_cli.rewards import process_rewards  # noqa: E402
 from qevolve_cli.tabular import tabular_iql  # noqa: E402
-
-
-def auc(pos, neg) -> float | None:
-    """P(a random ``pos`` value > a random ``neg`` one), ties counted half."""
-    p, n = np.asarray(pos, float), np.asarray(neg, float)
-    if not len(p) or not len(n):
-        return None
-    return float((p[:, None] > n[None, :]).mean() + 0.5 * (p[:, None] == n[None, :]).mean())
-
-
-def with_values(df: pl.DataFrame, v: list[float], nv: list[float], gamma: float, lam: float) -> pl.Series:
-    d = df.with_columns(pl.Series("value", v, pl.Float32), pl.Series("next_value", nv, pl.Float32))
-    return process_rewards(d, "gae", gamma, lam)
-
-
-def credit(df: pl.DataFrame, a: pl.Series, a_exact: pl.Series, opt: pl.Series, reachable: pl.Series) -> dict:
-    """The measures of the module docstring for advantages ``a`` against ``a_exact`` (row-aligned with ``df``).
-
-    ``opt``: the step's command is optimal (its exact one-step TD error r + gamma V*(s') - V*(s) is 0);
-    ``reachable``: the goal can still be reached from the state (V*(s) > 0). Where it cannot, every command is
-    optimal and none matters, so the AUCs count reachable steps only."""
-    m = df.select("traj_id", "step", "source", "success").with_columns(
-        a.alias("a"), a_exact.alias("a_x"), opt.alias("opt"), reachable.alias("reach"))
-    m = m.with_columns((pl.col("a") - pl.col("a").mean().over("traj_id")).alias("a_w"),
-                       (pl.col("a_x") - pl.col("a_x").mean().over("traj_id")).alias("a_x_w"))
-    c = m.select(pl.corr("a_x_w", "a_w")).item()
-    out: dict = {"within_traj_corr": None if c is None or c != c else round(float(c), 3)}  # NaN (constant): None
-    self_play = m.filter(pl.col("source") == "self")
-    for name, part in (("failed", self_play.filter(~pl.col("success"))),
-                       ("successful", self_play.filter(pl.col("success")))):
-        r = part.filter(pl.col("reach"))
-        au = auc(r.filter(pl.col("opt"))["a"], r.filter(~pl.col("opt"))["a"])
-        c = part.select(pl.corr("a", "step")).item() if part.height > 2 else None
-        out[name] = {"trajectories": part["traj_id"].n_unique(), "steps": part.height,
-                     "reachable_steps": r.height,
-                     "optimal_share_of_reachable": round(float(r["opt"].mean()), 3) if r.height else None,
-                     "auc_optimal": None if au is None else round(au, 3),
-                     "corr_step": None if c is None or c != c else round(float(c), 3),
-                     "mean_advantage": round(float(part["a"].mean()), 4) if part.height else None}
-    return out
 
 
 def run_step_limit(run: Path) -> int | None:

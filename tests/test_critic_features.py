@@ -31,7 +31,8 @@ def lamps_table(n: int = 4) -> pl.DataFrame:
     from qevolve_cli.labeling import LabelConfig, label_frame
 
     df = collect_expert("lamps-habit", "train", limit=n)
-    out, _ = label_frame(df, LabelConfig())
+    # --step-limit 26 (lamps-habit's own): the demonstrations' steps left from their tasks' budgets
+    out, _ = label_frame(df, LabelConfig(step_limit=26))
     return out
 
 
@@ -195,7 +196,7 @@ def test_feature_critic_cli_prints_the_ladder_and_label_uses_it(tiny_model_dir, 
     assert len(list((tmp_path / "features").glob("features-*.safetensors"))) == 1
 
 
-def test_expert_rows_of_a_budgeted_task_have_steps_left():
+def test_labelled_expert_rows_of_a_budgeted_task_count_down_from_its_budget():
     df = lamps_table(2)
     for _tid, tr in df.group_by("traj_id"):
         tr = tr.sort("step")

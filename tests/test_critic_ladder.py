@@ -132,8 +132,9 @@ def _solver_table() -> pl.DataFrame:
                     break
     self_df = pl.DataFrame(rows).with_columns(pl.col("iteration").cast(pl.Int32), pl.col("step").cast(pl.Int32),
                                               pl.col("reward_env").cast(pl.Float32), pl.col("steps_left").cast(pl.Int32))
+    exp = exp.with_columns(pl.lit(None, pl.Int32).alias("steps_left"))  # filled by label's step limit
     df = pl.concat([exp.select(self_df.columns), self_df], how="vertical_relaxed")
-    out, _ = label_frame(df, LabelConfig())
+    out, _ = label_frame(df, LabelConfig(step_limit=26))
     return out
 
 

@@ -425,8 +425,9 @@ def warning_line(d: dict[str, Any], where: str = "held-out", thresholds: dict[st
     extra = ladder_problems(d.get("fit_ladder")) if extra is None else extra
     if extra:
         held = f"; {where}: {'; '.join(bad)}" if bad else ""
-        return (f"warning: the critic has not learned (training data: {'; '.join(extra)}{held}): see "
-                "docs/critic.md#the-fit-ladder")
+        return (f"warning: the critic has not learned (training data: {'; '.join(extra)}{held}): train longer "
+                "(--epochs) or raise --lr, or change what it reads (--set kind=features, context_turns, time_input); "
+                "see docs/critic.md#the-fit-ladder")
     if bad:
         also = f"; {notes[0]}" if notes else ""
         return (f"warning: the critic has not learned ({where}: {'; '.join(bad)}{also}): train longer (--epochs, "

@@ -30,10 +30,7 @@ def expert_output(command: str) -> str:
     return format_react(expert_thought(command), command)
 
 
-def _rows(task: Task, iteration: int, instruction: str, obs0: str, steps: list[tuple[str, str, Any]],
-          budget: int | None = None) -> list[dict]:
-    """Table rows of one expert episode; ``budget``: the task's own step limit (``steps_left`` = budget - t), None
-    where the task has none (the demonstration then played under the long expert limit: no steps left)."""
+def _rows(task: Task, iteration: int, instruction: str, obs0: str, steps: list[tuple[str, str, Any]]) -> list[dict]:
     rows = []
     obs = obs0
     for t, (output, command, res) in enumerate(steps):
@@ -42,7 +39,6 @@ def _rows(task: Task, iteration: int, instruction: str, obs0: str, steps: list[t
             "source": "expert", "iteration": iteration, "step": t, "instruction": instruction,
             "observation": obs, "action": output, "command": command, "next_observation": res.observation,
             "reward_env": float(res.reward), "done": bool(res.done), "task_type": task.task_type, "error": None,
-            "steps_left": None if budget is None else budget - t,
         })
         obs = res.observation
     return rows
@@ -90,7 +86,7 @@ def collect_expert(env: str, split: str = "train", limit: int | None = None, wor
         else:
             st["failed"] += 1
         if error is None and (ok or keep_failed) and ep["steps"]:
-            rows.extend(_rows(ep["task"], 0, ep["instruction"], ep["obs0"], ep["steps"], ep.get("budget")))
+            rows.extend(_rows(ep["task"], 0, ep["instruction"], ep["obs0"], ep["steps"]))
         if on_progress:
             on_progress(done_n, total, st["succeeded"])
 
@@ -107,10 +103,7 @@ def collect_expert(env: str, split: str = "train", limit: int | None = None, wor
                         finish(t.task_id, False, r.error)
                         continue
                     plan = list(r.info.get("expert_plan") or [])
-                    # a task with a budget of its own (lamps-hard, lamps-habit) ends the demonstration there too
-                    budget = int(r.max_steps or 0)
-                    live[t.task_id].update(instruction=r.instruction, obs0=r.observation, plan=plan,
-                                           budget=budget if 0 < budget < EXPERT_MAX_STEPS else None)
+                    live[t.task_id].update(instruction=r.instruction, obs0=r.observation, plan=plan)
                     if not plan:
                         pool.release([t.task_id])
                         finish(t.task_id, False)
@@ -139,6 +132,5 @@ def collect_expert(env: str, split: str = "train", limit: int | None = None, wor
         stats.update(st)
     if not rows:  # e.g. the environment's package missing: say why, not hand on an empty table
         raise QevolveError(_no_expert_message(env, split, st))
-    schema = {**BASE_COLUMNS, "task_type": EXTRA_COLUMNS["task_type"], "error": EXTRA_COLUMNS["error"],
-              "steps_left": EXTRA_COLUMNS["steps_left"]}
+    schema = {**BASE_COLUMNS, "task_type": EXTRA_COLUMNS["task_type"], "error": EXTRA_COLUMNS["error"]}
     return pl.DataFrame(rows, schema=schema)

@@ -52,11 +52,18 @@ def set_rng_state(st: dict[str, Any]) -> None:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` (a checkpoint is committed only once its files are on disk)."""
+    """fsync every file under ``path`` (a checkpoint is committed only once its files are on disk).
+
+    Every rank calls it while rank 0 may still be renaming an atomic write's temporary file into place: a file
+    that is gone by the time it is opened was such a temporary (fsynced by its writer before the rename), and is
+    skipped (a ZeRO-3 run's rank 1 once failed here with 'No such file' on rank 0's '.tmp...')."""
     for f in sorted(Path(path).rglob("*")):
         if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            try:
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            except FileNotFoundError:
+                continue
 
 
 def start_checkpoint(ckpt_dir: Path, tag: str, is_main: bool) -> Path:

@@ -131,15 +131,21 @@ def attach_targets(items: list[TrajItem], df: pl.DataFrame, cfg: Any, source: An
     for c in need:
         if c not in df.columns:
             raise TableError(source, c, "missing column: label the table first (qevolve label), or set shaping: false")
-    reward = df["reward_env"].to_numpy().astype(np.float32)
-    if cfg.shaping:
-        reward = reward + df["reward_aux"].to_numpy().astype(np.float32)
+    reward = fit_reward(df, cfg)
     done = df["done"].to_numpy().astype(bool)
     weight = step_weights_for(df, cfg)
     for it in items:
         it.reward = reward[it.rows]
         it.done = done[it.rows]
         it.weight = weight[it.rows]
+
+
+def fit_reward(df: pl.DataFrame, cfg: Any) -> np.ndarray:
+    """The reward the critic fits per row: r_env, plus r_aux with ``cfg.shaping``."""
+    reward = df["reward_env"].to_numpy().astype(np.float32)
+    if cfg.shaping:
+        reward = reward + df["reward_aux"].to_numpy().astype(np.float32)
+    return reward
 
 
 def step_weights_for(df: pl.DataFrame, cfg: Any) -> np.ndarray:

@@ -258,11 +258,10 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
     ladder; writes ``out/`` atomically and returns the same summary keys as the LoRA critic's."""
     from qevolve_cli.atomic import atomic_dir
     from qevolve_cli.config import dump_yaml
-    from qevolve_cli.critic.data import load_table, step_weights_for
+    from qevolve_cli.critic.data import fit_reward, load_table, step_weights_for
     from qevolve_cli.critic.diagnostics import caveats, heldout_mask, verdict, warning_line
     from qevolve_cli.critic.heldout import diagnose_scored
     from qevolve_cli.critic.ladder import fit_ladder
-    from qevolve_cli.critic.model import time_column
     from qevolve_cli.device import resolve_device
     from qevolve_cli.tokenizer import load_tokenizer
 
@@ -270,7 +269,6 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
     t_start = time.perf_counter()
     df, source = load_table(data)
     if cfg.time_input == "steps_left":
-        time_column("steps_left")
         if "steps_left" not in df.columns or df["steps_left"].null_count():
             from qevolve_cli.errors import TableError
 
@@ -292,9 +290,7 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
                                    max_length=cfg.max_length, window_context=cfg.window_context, device=device,
                                    dtype=dtype, cache_dir=cache_dir)
     feat_seconds = time.perf_counter() - t_feat
-    reward = df["reward_env"].to_numpy().astype(np.float32)
-    if cfg.shaping:
-        reward = reward + df["reward_aux"].to_numpy().astype(np.float32)
+    reward = fit_reward(df, cfg)
     done = df["done"].to_numpy().astype(bool)
     weight = step_weights_for(df, cfg)
     t, t_next = time_inputs(df, cfg.time_input)

@@ -473,13 +473,11 @@ def train_critic(cfg: CriticConfig, data: Any, model: str | Path, out: str | Pat
     from qevolve_cli.critic.diagnostics import caveats, verdict, warning_line
 
     if cfg.fit_ladder:  # the critic on its own training steps (docs/critic.md, "The fit ladder")
-        from qevolve_cli.critic.data import step_weights_for
+        from qevolve_cli.critic.data import fit_reward, step_weights_for
         from qevolve_cli.critic.ladder import fit_ladder
 
         cols = trainer.score_items(items, df.height)
-        reward = df["reward_env"].to_numpy().astype(np.float32)
-        if cfg.shaping:
-            reward = reward + df["reward_aux"].to_numpy().astype(np.float32)
+        reward = fit_reward(df, cfg)
         train_rows = np.unique(np.concatenate([it.rows[it.usable] for it in items]))
         diagnostics["fit_ladder"] = fit_ladder(df, cols, train_rows, reward, step_weights_for(df, cfg), cfg,
                                                source=source)

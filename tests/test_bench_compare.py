@@ -197,3 +197,59 @@ def test_tables_are_summarized_from_files_of_every_shape(bc, tmp_path, capsys):
             bc.read_tables(files)
         msg = str(ex.value)
         assert words in msg and str(files[-1]) in msg and "\n" not in msg
+
+
+def test_add_run_row_pairs_a_new_run_with_the_kept_rows_on_the_same_tasks(tmp_path):
+    """benchmarks/add_run_row.py: a new evolve run's BC and iteration-1 rows join a kept seed table, task by task;
+    bench_compare --tables then sets them beside the kept RFT and SFT rows; a run missing a task is refused."""
+    import subprocess
+    import sys
+
+    import polars as pl
+
+    from tests.conftest import ROOT
+
+    cols = ["lamps-habit/test_seen", "lamps-habit/test_unseen"]
+    tasks = {c: [f"{c.split('/')[1]}-{i}" for i in range(6)] for c in cols}
+
+    def row(arm, won):
+        return {"arm": arm, "method": arm.upper(), "oracle": False, "budget": [],
+                "per_task": {c: {t: float(t in won) for t in tasks[c]} for c in cols}, "scores": {},
+                "selection": None, "selection_note": "", "eval_steps": 0, "expert_steps": 0, "self_play_steps": 0}
+
+    first = {t for c in cols for t in tasks[c][:2]}
+    table = {"env": "lamps-habit", "seed": 0, "columns": cols, "splits": ["test_seen", "test_unseen"],
+             "rows": [row("sft", first), row("rft", first | {tasks[cols[1]][2]})]}
+    kept = tmp_path / "kept.json"
+    kept.write_text(json.dumps({"what": "w", "seeds": {"0": table}}))
+    run = tmp_path / "run"
+    won = {0: first, 1: first | {t for c in cols for t in tasks[c][2:5]}}  # iteration 1 wins 3 more per split
+    for it in (0, 1):
+        (run / f"iter_{it}").mkdir(parents=True)
+        for c, split in zip(cols, table["splits"], strict=True):
+            ts = tasks[c]
+            pl.DataFrame({"traj_id": [f"{t}#0" for t in ts for _ in (0, 1)], "task_id": [t for t in ts for _ in (0, 1)],
+                          "reward_env": [x for t in ts for x in (0.0, float(t in won[it]))]}
+                         ).write_parquet(run / f"iter_{it}" / f"eval_{split}.parquet")
+    out = tmp_path / "new.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "add_run_row.py"), "--tables", str(kept), "--seed", "0",
+           "--run", str(run), "--arm", "qf", "--method", "Q-Evolve (features)", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rep = json.loads(res.stdout)["0"]
+    assert rep["qf_sft"] == round(100 * 4 / 12, 1) and rep["qf"] == round(100 * 10 / 12, 1)
+    assert rep["bc_same_outcome_as_sft_row"] == "12/12"
+    got = json.loads(out.read_text())["seeds"]["0"]
+    assert [r["arm"] for r in got["rows"]] == ["sft", "rft", "qf_sft", "qf"]
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_compare.py"), "--tables", str(out)],
+                         capture_output=True, text=True, check=True)
+    summary = json.loads(res.stdout)["envs"]["lamps-habit"]["summary"]
+    held = summary["qf"]["columns"]["held-out"]
+    assert held["mean"] == pytest.approx(10 / 12, abs=1e-4)
+    assert held["minus_rft"]["mean"] == pytest.approx((10 - 5) / 12, abs=1e-4)  # paired on the same 12 tasks
+    assert held["minus_sft"]["mean"] == pytest.approx((10 - 4) / 12, abs=1e-4) and held["minus_rft"]["tasks"] == 12
+    # a run whose evaluation lacks a task of the table: refused with one line naming the file
+    pl.read_parquet(run / "iter_1" / "eval_test_seen.parquet").filter(pl.col("task_id") != tasks[cols[0]][0]).write_parquet(
+        run / "iter_1" / "eval_test_seen.parquet")
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode != 0 and "eval_test_seen.parquet: task_id: 1 tasks differ" in res.stderr
+    assert json.loads(out.read_text())["seeds"]["0"]["rows"][-1]["arm"] == "qf"  # the earlier output is intact

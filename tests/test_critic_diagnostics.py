@@ -126,6 +126,32 @@ def test_heldout_mask_is_deterministic_order_free_and_stratified():
     assert not dg.heldout_mask(["a", "b"], [True, True], 0.1).any()  # too few to hold any out
 
 
+
+def test_heldout_ids_stratify_by_the_success_column_and_both_critics_hold_out_the_same():
+    from qevolve_cli.critic.data import TrajItem
+    from qevolve_cli.critic.heldout import heldout_ids, split_heldout
+
+    # 40 two-step trajectories; success every 4th, but a partial reward on every one: a stratification by
+    # "reward != 0" would see 40 successes and hold out 4 of one stratum instead of 1 + 3
+    n = 40
+    df = pl.DataFrame({"traj_id": [f"t{i:02d}" for i in range(n) for _ in (0, 1)], "step": [0, 1] * n,
+                       "reward_env": [0.0, 0.5] * n, "success": [i % 4 == 0 for i in range(n) for _ in (0, 1)]})
+    held = heldout_ids(df, 0.1)
+    ids = [f"t{i:02d}" for i in range(n)]
+    want = dg.heldout_mask(ids, [i % 4 == 0 for i in range(n)], 0.1)
+    assert held == {ids[i] for i in np.flatnonzero(want)}
+    assert len(held) == 1 + 3 and sum(int(i[1:]) % 4 == 0 for i in held) == 1
+    assert heldout_ids(df.reverse(), 0.1) == held  # the table's order does not matter
+    assert heldout_ids(df, 0.0) == set()
+    # the LoRA critic's items (one per trajectory) split the same way
+    items = [TrajItem(traj_id=t, input_ids=np.zeros(1, np.int64), rows=np.array([2 * k, 2 * k + 1]),
+                      step=np.array([0, 1]), pos_s=np.zeros(2, np.int64), pos_sa=np.zeros(2, np.int64),
+                      pos_next=np.zeros(2, np.int64)) for k, t in enumerate(ids)]
+    train, test = split_heldout(items, df, 0.1)
+    assert {it.traj_id for it in test} == held and len(train) == n - len(held)
+    # without a success column: a non-zero summed reward is a success (every trajectory here: one stratum)
+    assert len(heldout_ids(df.drop("success"), 0.1)) == 4
+
 # ---------------------------------------------------------------- on a frame, verdict
 
 

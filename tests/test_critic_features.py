@@ -222,3 +222,21 @@ def test_head_prefix_and_equal_windows_give_the_same_features(tiny_model_dir):
     d = extract(tiny_model_dir, whole, -1, prefix=True)
     for k in c:
         np.testing.assert_allclose(c[k], d[k], atol=1e-5)
+
+
+def test_batched_rests_give_each_sequence_its_own_forwards_states(tiny_model_dir):
+    """The rests of one head run right-padded in one forward (batch_tokens): every requested position gets the
+    states of that sequence's forward alone, with and without the prefix cache, in both views; a batch of
+    unequal windows (padding after the shorter ones) is among them."""
+    df = lamps_table(3)
+    tok = load_tokenizer(tiny_model_dir)
+    for view in (2, 0):
+        seqs = state_sequences(df, tok, view, None, 1.0)
+        if view:
+            assert len({len(s) for s in seqs["sequences"]}) > 2  # windows of unequal length: batches hold padding
+        for prefix in (False, True):
+            one = extract(tiny_model_dir, seqs, -1, prefix=prefix, batch_tokens=1)
+            many = extract(tiny_model_dir, seqs, -1, prefix=prefix, batch_tokens=100_000)
+            for k in one:
+                np.testing.assert_allclose(one[k], many[k], atol=1e-5)
+                assert np.abs(one[k]).sum(1).min() > 0  # every row was written

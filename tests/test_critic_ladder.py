@@ -89,6 +89,10 @@ def test_problems_name_the_rung_with_its_numbers():
     w = warning_line(d)
     assert w.startswith("warning: the critic has not learned (training data: does not fit its own terminal")
     assert "docs/critic.md#the-fit-ladder" in w
+    # both endings missed (TextCraft's tiny critic): one problem, the failed endings first
+    both = {"terminal": {"failed": {"n": 48, "mae": 0.15}, "successful": {"n": 298, "mae": 0.78}}}
+    assert ladder_problems(both) == ["does not fit its own terminal transitions: mean |Q - r| 0.15 over 48 failed "
+                                     "endings and 0.78 over 298 successful endings"]
     good = {"terminal": {"failed": {"n": 49, "mae": 0.05}}, "solver": {"v_corr_tabular": 0.9, "credit": 0.4}}
     assert ladder_problems(good) == [] and warning_line({**d, "fit_ladder": good}) is None
 

@@ -242,7 +242,30 @@ def test_truncation_keeps_instruction(react_model_dir: Path, tmp_path: Path) -> 
 # --------------------------------------------------------------------------- openai backend
 
 
-class _ChatServer:
+def _send_json(handler: BaseHTTPRequestHandler, status: int, obj: dict) -> None:
+    raw = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(raw)))
+    handler.end_headers()
+    handler.wfile.write(raw)
+
+
+class _LocalServer:
+    """A stdlib HTTP server on a free loopback port, serving ``handler`` in a thread; ``url`` ends in /v1."""
+
+    def _serve(self, handler: type) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _ChatServer(_LocalServer):
     """A minimal OpenAI-compatible /v1/chat/completions server (stdlib) running the tiny model on CPU."""
 
     def __init__(self, model_dir: Path):
@@ -267,23 +290,11 @@ class _ChatServer:
                     outs = outer.backend.generate([Request(body["messages"], seed=body.get("seed", 0), n=body.get("n", 1))],
                                                   temperature=body.get("temperature", 1.0),
                                                   max_new_tokens=body.get("max_tokens", 24))[0]
-                data = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
-                                   "choices": [{"index": i, "message": {"role": "assistant", "content": t},
-                                                "finish_reason": "stop"} for i, t in enumerate(outs)]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                _send_json(self, 200, {"id": "x", "object": "chat.completion", "model": body["model"],
+                                       "choices": [{"index": i, "message": {"role": "assistant", "content": t},
+                                                    "finish_reason": "stop"} for i, t in enumerate(outs)]})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)
 
 
 def test_openai_backend_against_local_server(react_model_dir: Path, tmp_path: Path) -> None:
@@ -328,7 +339,7 @@ def test_openai_backend_no_server_is_one_line_error(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-class _KeyedChatServer:
+class _KeyedChatServer(_LocalServer):
     """A stdlib OpenAI-compatible /v1/chat/completions server that wants ``Authorization: Bearer KEY`` (as
     ``vllm serve --api-key KEY`` does): 401 otherwise, with a body that echoes the key it got (as hosted
     endpoints do: "Incorrect API key provided: ..."). Every answer is one canned ReAct step."""
@@ -355,21 +366,9 @@ class _KeyedChatServer:
                     status, data = 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
                         {"index": i, "message": {"role": "assistant", "content": "Thought: light it.\nAction: turn on lamp"},
                          "finish_reason": "stop"} for i in range(body.get("n", 1))]}
-                raw = json.dumps(data).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                _send_json(self, status, data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)
 
 
 def _files_holding(root: Path, needle: str) -> list[str]:

@@ -259,8 +259,8 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
     from qevolve_cli.atomic import atomic_dir
     from qevolve_cli.config import dump_yaml
     from qevolve_cli.critic.data import fit_reward, load_table, step_weights_for
-    from qevolve_cli.critic.diagnostics import caveats, heldout_mask, verdict, warning_line
-    from qevolve_cli.critic.heldout import diagnose_scored
+    from qevolve_cli.critic.diagnostics import caveats, verdict, warning_line
+    from qevolve_cli.critic.heldout import diagnose_scored, heldout_ids
     from qevolve_cli.critic.ladder import fit_ladder
     from qevolve_cli.device import resolve_device
     from qevolve_cli.tokenizer import load_tokenizer
@@ -294,17 +294,9 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
     done = df["done"].to_numpy().astype(bool)
     weight = step_weights_for(df, cfg)
     t, t_next = time_inputs(df, cfg.time_input)
-    # held out by trajectory, as the LoRA critic (diagnostics.heldout_mask: stratified by outcome)
+    # held out by trajectory, as the LoRA critic (stratified by outcome)
     tid = df["traj_id"].to_numpy()
-    tot = df.group_by("traj_id", maintain_order=True).agg(pl.col("reward_env").sum())
-    ids = [str(x) for x in tot["traj_id"].to_list()]
-    ok = [bool(x != 0) for x in tot["reward_env"].to_list()]
-    held_ids = set()
-    if cfg.heldout_fraction > 0:
-        mask = heldout_mask(ids, ok, cfg.heldout_fraction)
-        held_ids = {i for i, h in zip(ids, mask, strict=True) if h}
-        if len(held_ids) == len(ids):
-            held_ids = set()
+    held_ids = heldout_ids(df, cfg.heldout_fraction)
     is_held = np.array([str(x) in held_ids for x in tid], bool)
     train_rows, held_rows = np.flatnonzero(~is_held), np.flatnonzero(is_held)
     d = int(feats["h_s"].shape[1])
@@ -352,7 +344,7 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
             "trained_on": str(source) if source else None, "gamma": cfg.gamma, "expectile": cfg.expectile,
             "pooling": "hidden state of layer feature_layer at pos_s (V), pos_sa (Q), and s' (V)"}
     summary = {
-        "out": str(out), "kind": "features", "base_model": str(model), "trajectories": len(ids) - len(held_ids),
+        "out": str(out), "kind": "features", "base_model": str(model), "trajectories": len(set(tid.tolist())) - len(held_ids),
         "heldout_trajectories": len(held_ids), "steps": int(len(train_rows)), "skipped_steps": 0,
         "epochs": cfg.epochs, "epochs_run": len(metrics), "resumed_from_epoch": 0, "resumed_from_step": 0,
         "early_stopped_at": stop["stopped_at"], "best_epoch": stop["best_epoch"] if len(held_rows) else None,

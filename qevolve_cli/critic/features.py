@@ -115,17 +115,33 @@ def resolve_layer(layer: int, n_layers: int) -> int:
     return idx
 
 
+BATCH_TOKENS = 4096
+"""Padded tokens per forward of :func:`extract` (sequences of one head, right-padded, run together)."""
+
+
 def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str = "cpu",
-            dtype: str = "float32", progress: Any = None, prefix: bool | None = None) -> dict[str, np.ndarray]:
+            dtype: str = "float32", progress: Any = None, prefix: bool | None = None,
+            batch_tokens: int = BATCH_TOKENS) -> dict[str, np.ndarray]:
     """Hidden states of layer ``layer`` at every requested position: ``h_s``, ``h_sa``, ``h_next`` (n_rows, d)
     float32. One no-grad forward per distinct sequence (equal windows, which turn windows make often, run once).
     With the prefix cache (:func:`qevolve_cli.models.kv.prefix_pays`; ``prefix`` True / False forces it on or
     off) the prefix every sequence shares (system prompt and example) runs once, then each head (the task's
-    message, ``head_len`` in ``seqs``) once on it, and each sequence's rest on its head's keys and values."""
+    message, ``head_len`` in ``seqs``) once on it, and each sequence's rest on its head's keys and values.
+
+    The rests of one head run together, right-padded, in forwards of at most ``batch_tokens`` padded tokens
+    (``<= 1``: one sequence a forward). Causal attention keeps every real position from seeing the padding after
+    it, so each row's states are its own forward's (equal up to float rounding of a larger matrix product)."""
     import torch
 
     from qevolve_cli.critic.model import _load_base
-    from qevolve_cli.models.kv import cache_kwarg, cache_layers, cache_of_layers, out_cache, prefix_pays
+    from qevolve_cli.models.kv import (
+        cache_kwarg,
+        cache_layers,
+        cache_of_layers,
+        out_cache,
+        prefix_pays,
+        repeat_layers,
+    )
 
     dev = torch.device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -133,13 +149,13 @@ def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str
     dec = getattr(base, base.base_model_prefix)
     n_layers = int(base.config.num_hidden_layers)
     li = resolve_layer(layer, n_layers)
-    sequences: list[np.ndarray] = seqs["sequences"]
+    sequences: list[np.ndarray] = [np.asarray(sq, np.int64) for sq in seqs["sequences"]]
     heads = seqs.get("head_len")
     # one computation per distinct token sequence
     uniq: dict[bytes, int] = {}
     canon = np.zeros(len(sequences), np.int64)
     for i, sq in enumerate(sequences):
-        canon[i] = uniq.setdefault(np.asarray(sq, np.int64).tobytes(), i)
+        canon[i] = uniq.setdefault(sq.tobytes(), i)
     wanted: dict[int, list[tuple[str, int, int]]] = {}
     for name in ("s", "sa", "next"):
         for row, (si, p) in enumerate(seqs[name]):
@@ -148,8 +164,6 @@ def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str
     d = int(base.config.hidden_size)
     out = {f"h_{k}": np.zeros((n_rows, d), np.float32) for k in ("s", "sa", "next")}
     used = sorted(wanted)
-    if heads is not None:  # the sequences of one head together: one head's keys and values held at a time
-        used.sort(key=lambda i: np.asarray(sequences[i][: int(heads[i])], np.int64).tobytes())
     use_prefix = len(used) > 1 and (prefix_pays(base) if prefix is None else prefix)
     P = 0
     if use_prefix:
@@ -159,41 +173,67 @@ def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str
             neq = np.flatnonzero(sequences[i][:P] != first[:P])
             P = min(P, int(neq[0]) if len(neq) else P)
         P = P if P >= 16 else 0
+
+    def head_of(i: int) -> int:
+        """Where sequence i's own forward starts: its head's end (on the head's cache), else the prefix's."""
+        H = int(heads[i]) if heads is not None and use_prefix else 0
+        return H if P + 16 <= H < len(sequences[i]) else P
+
+    start = {i: head_of(i) for i in used}
+    # the sequences of one head together (one head's keys and values held at a time), by length inside it
+    groups: dict[bytes, list[int]] = {}
+    for i in used:
+        groups.setdefault(sequences[i][: start[i]].tobytes(), []).append(i)
     kw = cache_kwarg(dec)
+    pad = int(getattr(base.config, "pad_token_id", None) or 0)
 
-    def run(ids: np.ndarray, start: int, layers: list | None) -> tuple[torch.Tensor, list]:
-        """Layer ``li``'s states of ids[start:] (on the keys / values ``layers`` of ids[:start]) and the cache."""
-        x = torch.as_tensor(ids[start:], device=dev).unsqueeze(0)
+    def run(ids: torch.Tensor, layers: list | None) -> tuple[torch.Tensor, list]:
+        """Layer ``li``'s states of ids (batch, length) on the keys / values ``layers`` (None: from position 0)."""
         extra = {kw: cache_of_layers(layers)} if layers is not None else {}
-        o = dec(input_ids=x, use_cache=True, output_hidden_states=True, **extra)
-        return o.hidden_states[li][0].float(), cache_layers(out_cache(o))
+        o = dec(input_ids=ids, use_cache=True, output_hidden_states=True, **extra)
+        return o.hidden_states[li].float(), cache_layers(out_cache(o))
 
+    done = 0
     with torch.no_grad():
-        h_pre, pre = run(sequences[used[0]][:P], 0, None) if P else (None, None)
-        head_cache: dict[bytes, tuple[int, torch.Tensor, list]] = {}  # head ids -> (length, states, cache)
-        for done, i in enumerate(used):
-            ids = np.asarray(sequences[i], np.int64)
-            H = int(heads[i]) if heads is not None and use_prefix else 0
-            H = H if P + 16 <= H < len(ids) else 0
-            parts: list[torch.Tensor] = []
+        h_pre, pre = run(torch.as_tensor(sequences[used[0]][:P], device=dev)[None], None) if P else (None, None)
+        for members in groups.values():
+            S = start[members[0]]
+            parts, layers = [], pre
             if P:
-                parts.append(h_pre)
-            if H:
-                key = ids[:H].tobytes()
-                if key not in head_cache:
-                    head_cache.clear()
-                    head_cache[key] = (H, *run(ids[:H], P, pre))
-                _h, h_head, layers = head_cache[key]
-                parts += [h_head, run(ids, H, layers)[0]]
-            else:
-                parts.append(run(ids, P, pre)[0] if P else run(ids, 0, None)[0])
-            h = torch.cat(parts, 0)
-            idx = torch.as_tensor([p for _n, _r, p in wanted[i]], device=dev)
-            got = h.index_select(0, idx).cpu().numpy()
-            for (name, row, _p), vec in zip(wanted[i], got, strict=True):
-                out[f"h_{name}"][row] = vec
-            if progress is not None and (done % 64 == 63 or done == len(used) - 1):
-                progress(done + 1, len(used))
+                parts.append(h_pre[0])
+            if S > P:  # the head, once, on the prefix
+                h_head, layers = run(torch.as_tensor(sequences[members[0]][P:S], device=dev)[None], pre)
+                parts.append(h_head[0])
+            h_start = torch.cat(parts, 0) if parts else None
+            members = sorted(members, key=lambda i: len(sequences[i]))
+            k = 0
+            while k < len(members):
+                R = len(sequences[members[k]]) - S
+                b = 1
+                while (k + b < len(members) and batch_tokens > 1
+                       and (b + 1) * (len(sequences[members[k + b]]) - S) <= batch_tokens):
+                    b += 1
+                chunk = members[k:k + b]
+                R = len(sequences[chunk[-1]]) - S
+                x = torch.full((len(chunk), R), pad, dtype=torch.long, device=dev)
+                for r, i in enumerate(chunk):
+                    x[r, : len(sequences[i]) - S] = torch.as_tensor(sequences[i][S:], device=dev)
+                lay = repeat_layers(layers, len(chunk)) if layers is not None else None
+                h, _ = run(x, lay)
+                for r, i in enumerate(chunk):
+                    pos = np.array([p for _n, _r, p in wanted[i]], np.int64)
+                    vec = np.zeros((len(pos), d), np.float32)
+                    own = pos >= S
+                    if own.any():
+                        vec[own] = h[r, torch.as_tensor(pos[own] - S, device=dev)].cpu().numpy()
+                    if (~own).any():
+                        vec[~own] = h_start[torch.as_tensor(pos[~own], device=dev)].cpu().numpy()
+                    for (name, row, _p), v in zip(wanted[i], vec, strict=True):
+                        out[f"h_{name}"][row] = v
+                k += b
+                done += b
+                if progress is not None:
+                    progress(done, len(used))
     return out
 
 

@@ -11,33 +11,42 @@ from qevolve_cli.critic.data import TrajItem
 from qevolve_cli.rewards import process_rewards
 
 
-def split_heldout(items: list[TrajItem], df: Any, fraction: float) -> tuple[list[TrajItem], list[TrajItem]]:
-    """(train items, held-out items): whole trajectories (all their windows) held out by traj_id.
+def heldout_ids(df: Any, fraction: float, ids: list[str] | None = None) -> set[str]:
+    """The trajectory ids of ``df`` the critic holds out (``ids``: only these; default every trajectory).
 
-    The choice (:func:`qevolve_cli.critic.diagnostics.heldout_mask`) is deterministic, stratified by
-    outcome, and depends only on the trajectory ids and outcomes, not on the order of the table.
-    """
+    The choice (:func:`qevolve_cli.critic.diagnostics.heldout_mask`) is deterministic, stratified by outcome
+    (the ``success`` column of a trajectory's first row, else a non-zero summed ``reward_env``), and depends
+    only on the trajectory ids and outcomes, not on the order of the table. Empty when nothing would be left
+    to train on. Both critics (LoRA and feature) hold out through it."""
     from qevolve_cli.critic.diagnostics import heldout_mask
 
-    if fraction <= 0 or not items:
-        return items, []
-    tid = df["traj_id"].to_numpy()
+    tid = [str(t) for t in df["traj_id"].to_list()]
     if "success" in df.columns:
-        succ_row = df["success"].to_numpy().astype(bool)
+        ok: dict[str, bool] = {}
+        for t, s in zip(tid, df["success"].to_list(), strict=True):
+            ok.setdefault(t, bool(s))
     else:
         import polars as pl
 
         tot = df.group_by("traj_id").agg(pl.col("reward_env").sum())
-        ok = dict(zip(tot["traj_id"].to_list(), (tot["reward_env"] != 0).to_list(), strict=True))
-        succ_row = np.array([ok[t] for t in tid], bool)
+        ok = dict(zip((str(t) for t in tot["traj_id"].to_list()), (tot["reward_env"] != 0).to_list(), strict=True))
+    ids = sorted(set(tid) if ids is None else set(ids))
+    if fraction <= 0 or not ids:
+        return set()
+    held = {i for i, h in zip(ids, heldout_mask(ids, [ok[i] for i in ids], fraction), strict=True) if h}
+    return set() if len(held) == len(ids) else held
+
+
+def split_heldout(items: list[TrajItem], df: Any, fraction: float) -> tuple[list[TrajItem], list[TrajItem]]:
+    """(train items, held-out items): whole trajectories (all their windows) held out by traj_id
+    (:func:`heldout_ids`)."""
+    if fraction <= 0 or not items:
+        return items, []
+    tid = df["traj_id"].to_numpy()
     base = [str(tid[it.rows[0]]) for it in items]
-    ids = sorted(set(base))
-    first = {}
-    for it, b in zip(items, base, strict=True):
-        first.setdefault(b, bool(succ_row[it.rows[0]]))
-    held = dict(zip(ids, heldout_mask(ids, [first[i] for i in ids], fraction), strict=True))
-    train = [it for it, b in zip(items, base, strict=True) if not held[b]]
-    test = [it for it, b in zip(items, base, strict=True) if held[b]]
+    held = heldout_ids(df, fraction, base)
+    train = [it for it, b in zip(items, base, strict=True) if b not in held]
+    test = [it for it, b in zip(items, base, strict=True) if b in held]
     if not train:
         return items, []
     return train, test

@@ -1,0 +1,80 @@
+"""The feature critic's backbone pass (qevolve_cli/critic/features.py `extract`): one sequence a forward against the
+rests of one head batched (right-padded, `batch_tokens` padded tokens a forward), on a real table, per view.
+
+    python benchmarks/bench_features.py --table runs/smol-hab-s0/iter_1/labeled.parquet --model runs/smol-hab-s0/base_model \\
+        --views 3 0 --trajectories 24 --batch-tokens 1 2048 4096 8192 --dtype bfloat16
+
+Prints one JSON object: per view and batch size the seconds (best of --repeat, the settings interleaved), tokens/s of
+the speed-up over one sequence a forward (the baseline, same run) and the largest difference
+of any feature from the baseline's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", type=Path, required=True)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--views", type=int, nargs="+", default=[3, 0], help="context_turns values (0: whole transcript)")
+    ap.add_argument("--trajectories", type=int, default=24, help="The first N trajectories of the table (0: all).")
+    ap.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 2048, 4096, 8192])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--layer", type=int, default=-1)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = ap.parse_args()
+
+    import numpy as np
+    import polars as pl
+    import torch
+
+    from qevolve_cli.critic.features import extract, state_sequences
+    from qevolve_cli.tokenizer import load_tokenizer
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    df = pl.read_parquet(a.table)
+    if a.trajectories:
+        keep = df["traj_id"].unique(maintain_order=True).head(a.trajectories)
+        df = df.filter(pl.col("traj_id").is_in(keep.implode()))
+    tok = load_tokenizer(a.model, require_chat_template=True)
+    result: dict = {"table": str(a.table), "model": str(a.model), "dtype": a.dtype, "rows": df.height,
+                    "trajectories": df["traj_id"].n_unique(), "threads": torch.get_num_threads(), "views": {}}
+    for view in a.views:
+        seqs = state_sequences(df, tok, view, None, 0.5)
+        lens = [len(s) for s in seqs["sequences"]]
+        best: dict[int, float] = {}
+        feats: dict[int, dict] = {}
+        extract(a.model, seqs, a.layer, dtype=a.dtype, batch_tokens=a.batch_tokens[-1])  # warm-up (load, allocator)
+        for _ in range(a.repeat):
+            for bt in a.batch_tokens:  # interleaved: a load that comes and goes hits every setting alike
+                t0 = time.perf_counter()
+                feats[bt] = extract(a.model, seqs, a.layer, dtype=a.dtype, batch_tokens=bt)
+                best[bt] = min(best.get(bt, float("inf")), time.perf_counter() - t0)
+        ref = a.batch_tokens[0]
+        rows = {}
+        for bt in a.batch_tokens:
+            diff = max(float(np.abs(feats[bt][k] - feats[ref][k]).max()) for k in feats[ref])
+            # per row: |f - f_ref| / |f_ref| (the heads read standardised features: scale-free is what matters)
+            rel = max(float((np.linalg.norm(feats[bt][k] - feats[ref][k], axis=1)
+                             / np.maximum(np.linalg.norm(feats[ref][k], axis=1), 1e-12)).max()) for k in feats[ref])
+            rows[str(bt)] = {"seconds": round(best[bt], 2), "speedup": round(best[ref] / best[bt], 2),
+                             "max_abs_diff": diff, "max_row_rel_diff": rel}
+        scale = max(float(np.abs(feats[ref][k]).max()) for k in feats[ref])
+        result["views"][str(view)] = {"sequences": len(lens), "tokens": int(sum(lens)), "max_abs_feature": scale,
+                                      "mean_len": round(float(np.mean(lens)), 1), "baseline_batch_tokens": ref,
+                                      "by_batch_tokens": rows}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

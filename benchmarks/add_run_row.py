@@ -3,7 +3,7 @@ beside the rows measured before (RFT, SFT, oracle V ...) on the same tasks, pair
 
 A seed's earlier rows are kept as they are; the run adds two: its BC policy (``ARM_sft``, iteration 0's
 evaluations: it shows whether the run's BC reproduces the earlier SFT row, task by task) and its iteration-K
-policy (``ARM``). Only the seeds named are written, so the summary pairs like with like.
+policy (``ARM``); a run without BC evaluations adds the second only. Only the seeds named are written, so the summary pairs like with like.
 
     python benchmarks/add_run_row.py --tables benchmarks/results/compare_smollm2_lamps_habit_all_rows_2026-11-30.json \\
         --seed 0 --run runs/smol-hab-s0 --arm qevolve_feat --method "Q-Evolve, iteration 1 (BPPO, feature critic)" \\
@@ -67,16 +67,18 @@ def main() -> None:
         if str(seed) not in seeds:
             raise SystemExit(f"error: {a.tables}: seeds: no table of seed {seed}")
         t = json.loads(json.dumps(seeds[str(seed)]))
-        sft = run_row(run, 0, t, f"{a.arm}_sft", f"{a.method}: its BC policy")
+        # the run's BC row where it evaluated BC (evolve's eval_bc); only seeds that all have it form that row
+        has_bc = all((run / "iter_0" / f"eval_{sp}.parquet").is_file() for sp in t["splits"])
+        sft = run_row(run, 0, t, f"{a.arm}_sft", f"{a.method}: its BC policy") if has_bc else None
         new = run_row(run, a.iteration, t, a.arm, a.method)
-        t["rows"] = [r for r in t["rows"] if r["arm"] not in (a.arm, sft["arm"])] + [sft, new]
+        t["rows"] = [r for r in t["rows"] if r["arm"] not in (a.arm, f"{a.arm}_sft")] + [r for r in (sft, new) if r]
         out["seeds"][str(seed)] = t
         old_sft = next((r for r in t["rows"] if r["arm"] == "sft"), None)
         rep = {"run": str(run)}
-        for r in (sft, new):
+        for r in (sft, new) if sft else (new,):
             tasks = [v for c in t["columns"] for v in r["per_task"][c].values()]
             rep[r["arm"]] = round(100 * sum(tasks) / len(tasks), 1)
-        if old_sft is not None:
+        if old_sft is not None and sft is not None:
             same = sum(old_sft["per_task"][c][k] == v for c in t["columns"] for k, v in sft["per_task"][c].items())
             rep["bc_same_outcome_as_sft_row"] = f"{same}/{sum(len(sft['per_task'][c]) for c in t['columns'])}"
         report[str(seed)] = rep

@@ -267,3 +267,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def send_json(handler, status: int, obj) -> None:
+    """Answer a stdlib ``BaseHTTPRequestHandler`` request with ``obj`` as JSON (the tests' local servers)."""
+    raw = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(raw)))
+    handler.end_headers()
+    handler.wfile.write(raw)

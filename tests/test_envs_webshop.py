@@ -11,6 +11,7 @@ import pytest
 
 from qevolve_cli.envs import act, list_tasks, make_env
 from qevolve_cli.errors import QevolveError
+from tests.conftest import send_json
 
 
 class Shop:
@@ -73,12 +74,7 @@ def server():
                 res, code = shop.handle(method, u.path, urllib.parse.parse_qs(u.query), body), 200
             except KeyError as e:
                 res, code = {"detail": f"not found {e}"}, 404
-            data = json.dumps(res).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, code, res)
 
         def do_GET(self):
             self._go("GET")

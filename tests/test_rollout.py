@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import ROOT, qevolve_env, run_qevolve
+from tests.conftest import ROOT, qevolve_env, run_qevolve, send_json
 
 FAST = ["--max-new-tokens", "24", "--workers", "2", "--envs-per-worker", "2", "-q"]
 
@@ -242,15 +242,6 @@ def test_truncation_keeps_instruction(react_model_dir: Path, tmp_path: Path) -> 
 # --------------------------------------------------------------------------- openai backend
 
 
-def _send_json(handler: BaseHTTPRequestHandler, status: int, obj: dict) -> None:
-    raw = json.dumps(obj).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(raw)))
-    handler.end_headers()
-    handler.wfile.write(raw)
-
-
 class _LocalServer:
     """A stdlib HTTP server on a free loopback port, serving ``handler`` in a thread; ``url`` ends in /v1."""
 
@@ -290,7 +281,7 @@ class _ChatServer(_LocalServer):
                     outs = outer.backend.generate([Request(body["messages"], seed=body.get("seed", 0), n=body.get("n", 1))],
                                                   temperature=body.get("temperature", 1.0),
                                                   max_new_tokens=body.get("max_tokens", 24))[0]
-                _send_json(self, 200, {"id": "x", "object": "chat.completion", "model": body["model"],
+                send_json(self, 200, {"id": "x", "object": "chat.completion", "model": body["model"],
                                        "choices": [{"index": i, "message": {"role": "assistant", "content": t},
                                                     "finish_reason": "stop"} for i, t in enumerate(outs)]})
 
@@ -366,7 +357,7 @@ class _KeyedChatServer(_LocalServer):
                     status, data = 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
                         {"index": i, "message": {"role": "assistant", "content": "Thought: light it.\nAction: turn on lamp"},
                          "finish_reason": "stop"} for i in range(body.get("n", 1))]}
-                _send_json(self, status, data)
+                send_json(self, status, data)
 
         self._serve(Handler)
 

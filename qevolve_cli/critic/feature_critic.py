@@ -344,7 +344,7 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
             "trained_on": str(source) if source else None, "gamma": cfg.gamma, "expectile": cfg.expectile,
             "pooling": "hidden state of layer feature_layer at pos_s (V), pos_sa (Q), and s' (V)"}
     summary = {
-        "out": str(out), "kind": "features", "base_model": str(model), "trajectories": len(set(tid.tolist())) - len(held_ids),
+        "out": str(out), "kind": "features", "base_model": str(model), "trajectories": df["traj_id"].n_unique() - len(held_ids),
         "heldout_trajectories": len(held_ids), "steps": int(len(train_rows)), "skipped_steps": 0,
         "epochs": cfg.epochs, "epochs_run": len(metrics), "resumed_from_epoch": 0, "resumed_from_step": 0,
         "early_stopped_at": stop["stopped_at"], "best_epoch": stop["best_epoch"] if len(held_rows) else None,

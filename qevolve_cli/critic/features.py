@@ -208,7 +208,6 @@ def extract(model_dir: str | Path, seqs: dict[str, Any], layer: int, device: str
             members = sorted(members, key=lambda i: len(sequences[i]))
             k = 0
             while k < len(members):
-                R = len(sequences[members[k]]) - S
                 b = 1
                 while (k + b < len(members) and batch_tokens > 1
                        and (b + 1) * (len(sequences[members[k + b]]) - S) <= batch_tokens):

@@ -18,19 +18,14 @@ def heldout_ids(df: Any, fraction: float, ids: list[str] | None = None) -> set[s
     (the ``success`` column of a trajectory's first row, else a non-zero summed ``reward_env``), and depends
     only on the trajectory ids and outcomes, not on the order of the table. Empty when nothing would be left
     to train on. Both critics (LoRA and feature) hold out through it."""
+    import polars as pl
+
     from qevolve_cli.critic.diagnostics import heldout_mask
 
-    tid = [str(t) for t in df["traj_id"].to_list()]
-    if "success" in df.columns:
-        ok: dict[str, bool] = {}
-        for t, s in zip(tid, df["success"].to_list(), strict=True):
-            ok.setdefault(t, bool(s))
-    else:
-        import polars as pl
-
-        tot = df.group_by("traj_id").agg(pl.col("reward_env").sum())
-        ok = dict(zip((str(t) for t in tot["traj_id"].to_list()), (tot["reward_env"] != 0).to_list(), strict=True))
-    ids = sorted(set(tid) if ids is None else set(ids))
+    won = pl.col("success").first() if "success" in df.columns else pl.col("reward_env").sum() != 0
+    per = df.group_by("traj_id", maintain_order=True).agg(won.cast(pl.Boolean).alias("ok"))
+    ok = dict(zip((str(t) for t in per["traj_id"].to_list()), per["ok"].to_list(), strict=True))
+    ids = sorted(set(ok) if ids is None else set(ids))
     if fraction <= 0 or not ids:
         return set()
     held = {i for i, h in zip(ids, heldout_mask(ids, [ok[i] for i in ids], fraction), strict=True) if h}

@@ -59,7 +59,10 @@ def main() -> None:
     a = ap.parse_args()
     if len(a.seed) != len(a.run):
         raise SystemExit("error: --seed and --run: one seed per run")
-    src = json.loads(a.tables.read_text())
+    try:
+        src = json.loads(a.tables.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: {a.tables}: cannot read the kept tables ({e.__class__.__name__}: {e})") from None
     seeds = src["seeds"] if "seeds" in src else {str(src["seed"]): src}
     out: dict = {"what": (src.get("what", "") + " " + a.what).strip(), "seeds": {}}
     report: dict = {}

@@ -240,3 +240,20 @@ def test_batched_rests_give_each_sequence_its_own_forwards_states(tiny_model_dir
             for k in one:
                 np.testing.assert_allclose(one[k], many[k], atol=1e-5)
                 assert np.abs(one[k]).sum(1).min() > 0  # every row was written
+
+
+def test_feature_pass_dtype_follows_the_generation_rule_not_the_training_one():
+    """``dtype: auto``: the feature pass has no gradient, so a CPU with native bf16 runs it in bf16 (as rollouts
+    do), where the LoRA critic, which trains through its backbone, stays fp32; an explicit dtype and
+    QEVOLVE_PRECISION win."""
+    from qevolve_cli import precision
+    from qevolve_cli.critic.feature_critic import feature_dtype
+
+    bf16_cpu, plain_cpu = frozenset({"avx512f", "avx512_bf16"}), frozenset({"avx2"})
+    assert feature_dtype("auto", "cpu", flags=bf16_cpu, env={}) == "bfloat16"
+    assert precision.resolve("auto", "cpu", flags=bf16_cpu, env={}, training=True).dtype == "float32"
+    assert feature_dtype("auto", "cpu", flags=plain_cpu, env={}) == "float32"
+    assert feature_dtype("auto", "cuda", flags=plain_cpu, env={}) == "bfloat16"
+    assert feature_dtype("float32", "cpu", flags=bf16_cpu, env={}) == "float32"
+    assert feature_dtype("bfloat16", "cpu", flags=plain_cpu, env={}) == "bfloat16"
+    assert feature_dtype("auto", "cpu", flags=bf16_cpu, env={"QEVOLVE_PRECISION": "fp32"}) == "float32"

@@ -109,7 +109,9 @@ class CriticConfig(ConfigBase):
                                             "steps. Scoring uses the same windows.", gt=0.0, le=1.0)
     # hardware
     device: str = field("auto", help="auto (cuda if available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
-    dtype: str = field("auto", help="Frozen backbone dtype: auto (bfloat16 on GPU, float32 on CPU; docs/performance.md), float32, bfloat16.",
+    dtype: str = field("auto", help="Frozen backbone dtype: auto (bfloat16 on GPU; on CPU float32 for the LoRA critic, which trains through "
+                       "it, and for the feature critic's no-grad pass bfloat16 where the CPU has avx512_bf16/AMX; "
+                       "docs/performance.md), float32, bfloat16.",
                        choices=("auto", "float32", "bfloat16"))
     batch_layout: str = field("auto", help="padded: one forward over the right-padded batch; per_sequence: one "
                               "forward per trajectory (no padding computed, no attention mask: the fused causal "

@@ -34,6 +34,16 @@ from qevolve_cli.errors import QevolveError
 FORMAT = "qevolve-critic-features/1"
 
 
+
+def feature_dtype(dtype: str, device: str, **kw: object) -> str:
+    """The dtype of the frozen backbone's no-grad feature pass: ``auto`` follows the generation rule of
+    :mod:`qevolve_cli.precision` (bfloat16 on CUDA and on a CPU with avx512_bf16/AMX, float32 elsewhere; the
+    LoRA critic, which trains through its backbone, stays float32 on CPU); ``float32``/``bfloat16`` as given.
+    ``kw`` (``flags``, ``env``) is for tests."""
+    from qevolve_cli import precision
+
+    return precision.resolve(dtype, device, training=False, **kw).dtype
+
 def is_feature_critic(critic_dir: str | Path) -> bool:
     p = Path(critic_dir) / CRITIC_META
     if not p.is_file():
@@ -281,7 +291,7 @@ def train_feature_critic(cfg: Any, data: Any, model: str | Path, out: str | Path
                                                "shaping: false")
     tok = tokenizer if tokenizer is not None else load_tokenizer(model, require_chat_template=True)
     device = resolve_device(cfg.device)
-    dtype = "bfloat16" if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device == "cuda") else "float32"
+    dtype = feature_dtype(cfg.dtype, device)
     cache_dir = Path(source).parent / "features" if source is not None else None
     t_feat = time.perf_counter()
     from qevolve_cli.critic.features import cached_features

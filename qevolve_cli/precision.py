@@ -11,8 +11,8 @@ always wins.
 
 What bf16 means depends on the stage, and every stage asks this module:
 
-* generation (rollout, eval: the hf backend, vLLM on CPU) and the critic's frozen backbone load
-  **bf16 weights** (``dtype`` fields: auto | float32 | bfloat16);
+* generation (rollout, eval: the hf backend, vLLM on CPU), the feature critic's no-grad pass and the
+  critic's frozen backbone load **bf16 weights** (``dtype`` fields: auto | float32 | bfloat16);
 * training (policy BC / BPPO, ``precision`` field: auto | fp32 | bf16) keeps **fp32 master weights**
   and runs the forward pass under bf16 **autocast**.
 

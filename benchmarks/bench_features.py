@@ -70,13 +70,14 @@ def main() -> None:
                 best[st] = min(best.get(st, float("inf")), time.perf_counter() - t0)
         ref = settings[0]
         rows = {}
-        for bt in settings:
-            diff = max(float(np.abs(feats[bt][k] - feats[ref][k]).max()) for k in feats[ref])
+        for st in settings:
+            diff = max(float(np.abs(feats[st][k] - feats[ref][k]).max()) for k in feats[ref])
             # per row: |f - f_ref| / |f_ref| (the heads read standardised features: scale-free is what matters)
-            rel = max(float((np.linalg.norm(feats[bt][k] - feats[ref][k], axis=1)
+            rel = max(float((np.linalg.norm(feats[st][k] - feats[ref][k], axis=1)
                              / np.maximum(np.linalg.norm(feats[ref][k], axis=1), 1e-12)).max()) for k in feats[ref])
-            rows[str(bt[1]) if len(a.dtype) == 1 else f"{bt[0]}:{bt[1]}"] = {"seconds": round(best[bt], 2), "speedup": round(best[ref] / best[bt], 2),
-                             "max_abs_diff": diff, "max_row_rel_diff": rel}
+            key = str(st[1]) if len(a.dtype) == 1 else f"{st[0]}:{st[1]}"
+            rows[key] = {"seconds": round(best[st], 2), "speedup": round(best[ref] / best[st], 2),
+                         "max_abs_diff": diff, "max_row_rel_diff": rel}
         scale = max(float(np.abs(feats[ref][k]).max()) for k in feats[ref])
         result["views"][str(view)] = {"sequences": len(lens), "tokens": int(sum(lens)), "max_abs_feature": scale,
                                       "mean_len": round(float(np.mean(lens)), 1), "baseline_batch_tokens": ref[1],

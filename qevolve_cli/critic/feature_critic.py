@@ -34,7 +34,6 @@ from qevolve_cli.errors import QevolveError
 FORMAT = "qevolve-critic-features/1"
 
 
-
 def feature_dtype(dtype: str, device: str, **kw: object) -> str:
     """The dtype of the frozen backbone's no-grad feature pass: ``auto`` follows the generation rule of
     :mod:`qevolve_cli.precision` (bfloat16 on CUDA and on a CPU with avx512_bf16/AMX, float32 elsewhere; the
@@ -43,6 +42,7 @@ def feature_dtype(dtype: str, device: str, **kw: object) -> str:
     from qevolve_cli import precision
 
     return precision.resolve(dtype, device, training=False, **kw).dtype
+
 
 def is_feature_critic(critic_dir: str | Path) -> bool:
     p = Path(critic_dir) / CRITIC_META
